@@ -1,0 +1,341 @@
+"""Run configuration: YAML -> validated pydantic models.
+
+Every key is checked before any cluster work starts: an unknown key, a wrong type or an
+impossible value raises :class:`ConfigError` naming the dotted key and the file.
+
+Example::
+
+    cfg = load_config("configs/default.yaml", overrides=["data.sequence_len=512"])
+    cfg.data.sequence_len   # 512
+
+Names follow axolotl's where one exists (``sequence_len``, ``train_on_inputs``, dataset
+``type`` names) so its users feel at home.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the file and the dotted key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------- model
+
+
+class ModelInit(_Strict):
+    """A small randomly initialised model described inline (demo runs and tests)."""
+
+    architecture: Literal["llama", "qwen2"] = "llama"
+    hidden_size: int = Field(128, gt=0)
+    intermediate_size: int = Field(256, gt=0)
+    num_hidden_layers: int = Field(2, gt=0)
+    num_attention_heads: int = Field(4, gt=0)
+    num_key_value_heads: int | None = Field(None, gt=0)
+    max_position_embeddings: int = Field(2048, gt=0)
+    tie_word_embeddings: bool = False
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelInit:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads")
+        kv = self.num_key_value_heads or self.num_attention_heads
+        if self.num_attention_heads % kv:
+            raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+        return self
+
+
+class ModelConfig(_Strict):
+    """Which causal LM to train and which tokenizer feeds it."""
+
+    name_or_path: str | None = Field(None, description="HF model id or local directory.")
+    tokenizer: str | None = Field(None, description="HF tokenizer id or local directory; defaults to name_or_path.")
+    init: ModelInit | None = Field(None, description="Inline architecture for a randomly initialised model.")
+    trust_remote_code: bool = Field(False, description="Run code shipped with the model/tokenizer. Off unless set.")
+    attn_implementation: Literal["auto", "flash_attention_2", "sdpa", "eager"] = Field(
+        "auto", description="auto: flash_attention_2 (varlen, padding-free) on GPU when installed, else sdpa."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if self.tokenizer is None and self.name_or_path is None:
+            raise ValueError("set model.tokenizer or model.name_or_path")
+        return self
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.name_or_path  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- data
+
+DatasetFormat = Literal["auto", "jsonl", "json", "parquet", "mds"]
+DatasetType = Literal["completion", "alpaca", "chat_template", "input_output"]
+
+
+class DatasetConfig(_Strict):
+    """One source of samples and how to turn its records into text and labels."""
+
+    path: str = Field(..., description="File, directory, glob or URL (s3://, gs://). Relative to the config file or cwd.")
+    format: DatasetFormat = Field("auto", description="auto: from the file extension (or index.json for mds).")
+    type: DatasetType = Field("alpaca", description="How a record becomes prompt/response text.")
+    weight: float = Field(1.0, gt=0, description="Mixing weight (several datasets are concatenated for now).")
+    # Field mapping where the data's column names differ.
+    text_field: str = Field("text", description="completion: the text column.")
+    instruction_field: str = Field("instruction", description="alpaca: the instruction column.")
+    input_field: str = Field("input", description="alpaca: the optional input column.")
+    output_field: str = Field("output", description="alpaca: the response column.")
+    history_field: str | None = Field(
+        "history", description="alpaca: optional list of [user, assistant] prior turns (LIMA style)."
+    )
+    messages_field: str | None = Field(
+        None, description="chat_template: the conversation column; None tries 'messages' then 'conversations'."
+    )
+    role_key: str | None = Field(None, description="chat_template: role key in a turn; None: 'role' or 'from'.")
+    content_key: str | None = Field(None, description="chat_template: content key; None: 'content' or 'value'.")
+    role_map: dict[str, str] = Field(
+        default_factory=lambda: {
+            "human": "user",
+            "user": "user",
+            "gpt": "assistant",
+            "assistant": "assistant",
+            "system": "system",
+            "function_call": "assistant",
+            "observation": "tool",
+            "tool": "tool",
+        },
+        description="Maps source role names (ShareGPT's human/gpt/...) to chat-template roles.",
+    )
+    roles_to_train: list[str] = Field(["assistant"], description="chat_template: roles whose turns carry labels.")
+    segments_field: str = Field("segments", description="input_output: list of {text, label} segments.")
+
+    @field_validator("path")
+    @classmethod
+    def _non_empty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("path is empty")
+        return v
+
+
+class TokenizeConfig(_Strict):
+    """The CPU actor pool that formats and tokenizes samples."""
+
+    num_actors: int | Literal["auto"] = Field(
+        "auto", description="Tokenizer actors; auto: one per CPU left after reads (at least 1)."
+    )
+    batch_size: int = Field(512, gt=0, description="Samples per tokenizer call.")
+    num_cpus: float = Field(1.0, gt=0, description="CPUs reserved per tokenizer actor.")
+    threads: int = Field(1, gt=0, description="Rust tokenizer threads per actor (RAYON_NUM_THREADS).")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Extra Ray resources per actor, e.g. {cpu_node: 1} to pin to CPU nodes."
+    )
+
+    @field_validator("num_actors")
+    @classmethod
+    def _positive(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("num_actors must be >= 1 or 'auto'")
+        return v
+
+
+class DataConfig(_Strict):
+    """What to read, how to format and tokenize it, and how to pack it."""
+
+    sequence_len: int = Field(2048, gt=1, description="Tokens per packed row (the model's context).")
+    packing: Literal["none", "concat", "bfd"] = Field(
+        "bfd", description="none: a row per sample; concat: join docs with EOS and cut (pretraining); "
+        "bfd: best-fit-decreasing bins, samples never split (SFT)."
+    )
+    pack_buffer_size: int = Field(10000, gt=0, description="Samples held for one best-fit-decreasing packing pass.")
+    oversize: Literal["truncate", "drop"] = Field(
+        "truncate", description="Samples longer than sequence_len (bfd/none): truncate or drop; counted either way."
+    )
+    train_on_inputs: bool = Field(False, description="false: only response / assistant tokens carry labels.")
+    add_eos: bool = Field(True, description="Append EOS to completion and alpaca samples.")
+    shuffle_seed: int = Field(42, description="Seeds file order and the shuffle of packed rows.")
+    on_bad_record: Literal["raise", "skip"] = Field(
+        "raise", description="raise: stop with file and row; skip: count and report."
+    )
+    eval_fraction: float = Field(0.0, ge=0, lt=1, description="Held-out share of samples for split='eval'.")
+    datasets: list[DatasetConfig] = Field(..., min_length=1, description="Training sources.")
+    eval_datasets: list[DatasetConfig] = Field(default_factory=list, description="Evaluation sources.")
+    tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
+    read_num_cpus: float = Field(0.25, gt=0, description="CPUs reserved per read task (small so actors never starve reads).")
+
+    @model_validator(mode="after")
+    def _eval_sources(self) -> DataConfig:
+        if self.eval_datasets and self.eval_fraction:
+            raise ValueError("set either eval_datasets or eval_fraction, not both")
+        return self
+
+
+# --------------------------------------------------------------------------- training
+
+
+class TrainConfig(_Strict):
+    """The optimisation loop run by each Ray Train worker."""
+
+    micro_batch_size: int = Field(1, gt=0, description="Packed rows per worker per forward pass.")
+    gradient_accumulation_steps: int = Field(1, gt=0)
+    max_steps: int | None = Field(None, gt=0, description="Optimizer steps; overrides epochs for the LR schedule.")
+    epochs: int = Field(1, gt=0, description="Passes over the stream (an epoch ends when the stream is exhausted).")
+    learning_rate: float = Field(2e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, gt=0, lt=1)
+    adam_beta2: float = Field(0.95, gt=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final LR as a share of learning_rate.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping; 0 turns it off.")
+    deepspeed: str | dict[str, Any] = Field(
+        "zero2", description="zero0..zero3 (configs/deepspeed/*.json), a JSON path, or an inline dict."
+    )
+    bf16: bool = Field(True, description="bf16 mixed precision through DeepSpeed.")
+    gradient_checkpointing: bool = False
+    seed: int = 0
+    log_every_steps: int = Field(10, gt=0)
+    checkpoint_every_steps: int | None = Field(None, gt=0)
+    eval_every_steps: int | None = Field(None, gt=0)
+    eval_max_batches: int | None = Field(None, gt=0, description="Cap on eval micro-batches per rank.")
+    local_shuffle_buffer_size: int | None = Field(
+        None, gt=0, description="Rows shuffled in each worker's iterator buffer (seeded by data.shuffle_seed)."
+    )
+    prefetch_batches: int = Field(2, ge=0)
+
+
+class ScalingConfig(_Strict):
+    """How many Ray Train workers and what each gets (ray.train.ScalingConfig)."""
+
+    num_workers: int = Field(1, gt=0)
+    use_gpu: bool = False
+    resources_per_worker: dict[str, float] | None = Field(
+        None, description="e.g. {CPU: 8, GPU: 1, gpu_node: 1} to pin trainers to GPU nodes."
+    )
+
+
+class RunConfig(_Strict):
+    """Where a run writes and how it restarts."""
+
+    name: str = Field("run", min_length=1, description="Run directory name under storage_path.")
+    storage_path: str = Field("runs", description="Local directory or s3:// URL for checkpoints and outputs.")
+    resume: str = Field("auto", description="auto | never | <checkpoint path>.")
+    keep_checkpoints: int = Field(2, gt=0)
+    max_failures: int = Field(0, ge=-1, description="Ray Train FailureConfig.max_failures (-1: forever).")
+    export_model: bool = Field(True, description="Write a Hugging Face model + tokenizer at the end.")
+
+
+class StorageConfig(_Strict):
+    """Object-storage settings. Credentials come from the standard AWS/GCS environment, never from here."""
+
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (else AWS_ENDPOINT_URL).")
+    region: str | None = Field(None, description="S3 region (else AWS_REGION / AWS_DEFAULT_REGION).")
+    retries: int = Field(5, ge=0, description="Retries with backoff for transient object-store errors.")
+
+
+class Config(_Strict):
+    """A whole run: model, data, training, scaling, run directory and storage."""
+
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    # Directory that relative local paths are resolved against (the config file's folder).
+    base_dir: str = Field(default_factory=os.getcwd, exclude=True, description="Internal: the config file's folder.")
+    source: str | None = Field(None, exclude=True, description="Internal: the config file path.")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _parse_scalar(text: str) -> Any:
+    """Parse an override value the way YAML would (``512`` -> int, ``[a, b]`` -> list)."""
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides to a nested dict; list items by index (``data.datasets.0.path=x``)."""
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, _, value = item.partition("=")
+        parts = key.strip().split(".")
+        node: Any = out
+        for i, part in enumerate(parts[:-1]):
+            if isinstance(node, list):
+                node = node[_list_index(node, part, parts[: i + 1])]
+                continue
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            node = nxt
+        last = parts[-1]
+        if isinstance(node, list):
+            node[_list_index(node, last, parts)] = _parse_scalar(value)
+        else:
+            node[last] = _parse_scalar(value)
+    return out
+
+
+def _list_index(node: list, part: str, path: list[str]) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise ConfigError(f"override key {'.'.join(path)!r}: no list item {part!r}")
+    return int(part)
+
+
+def _format_errors(err: ValidationError, where: str) -> str:
+    lines = [f"invalid config {where}:"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"  {key}: {msg}")
+    return "\n".join(lines)
+
+
+def config_from_dict(raw: dict[str, Any], source: str | None = None, base_dir: str | None = None) -> Config:
+    """Validate a plain dict as a :class:`Config`; errors name the key (and ``source``)."""
+    where = f"in {source}" if source else "(inline)"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"invalid config {where}: the top level must be a mapping, got {type(raw).__name__}")
+    try:
+        cfg = Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, where)) from None
+    cfg.base_dir = base_dir or os.getcwd()
+    cfg.source = source
+    return cfg
+
+
+def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> Config:
+    """Load a YAML config (safely) and apply dotted ``key=value`` overrides."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config {p} is not valid YAML: {err}") from None
+    raw = apply_overrides(raw, overrides or [])
+    return config_from_dict(raw, source=str(p), base_dir=str(p.resolve().parent))
+
+
+def dump_config(cfg: Config) -> dict[str, Any]:
+    """The config as plain data (for saving into the run directory)."""
+    return cfg.model_dump(mode="json")

@@ -1,0 +1,258 @@
+"""Formats: turn one record into text plus the character spans that carry labels.
+
+Every format produces a :class:`Formatted`: the full text to tokenize and the ``[start, end)``
+character spans whose tokens are trained. The tokenizer stage labels a token when its first
+character falls inside a span, so label masks follow the real tokenization of the whole text
+(no re-tokenizing pieces that would merge differently at their borders).
+
+Worked example (``alpaca``, ``train_on_inputs: false``)::
+
+    {"instruction": "Add 2 and 3.", "input": "", "output": "5"}
+    text  = "Below is an instruction ...\\n\\n### Instruction:\\nAdd 2 and 3.\\n\\n### Response:\\n5"
+    spans = [(len(text) - 1, len(text))]          # only "5"; EOS is appended after it, trained too
+
+A record that cannot be formatted raises :class:`RecordError` with the reason; the caller adds the
+file and line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipelines.config import DataConfig, DatasetConfig
+
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+# Earlier turns of a multi-turn alpaca record (LIMA's ``history``) follow the same pattern.
+ALPACA_TURN = "### Instruction:\n{instruction}\n\n### Response:\n"
+
+
+class RecordError(ValueError):
+    """A record that cannot be formatted; the message says why (the caller adds where)."""
+
+
+@dataclass
+class Formatted:
+    """Text to tokenize, the trained character spans, and whether EOS follows (trained)."""
+
+    text: str
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    add_eos: bool = False
+    add_special_tokens: bool = True
+
+
+def _field(rec: dict[str, Any], key: str, *, required: bool = True, allow_empty: bool = False) -> str:
+    if key not in rec or rec[key] is None:
+        if required:
+            raise RecordError(f"missing field {key!r} (has: {', '.join(sorted(rec)) or 'nothing'})")
+        return ""
+    value = rec[key]
+    if not isinstance(value, str):
+        raise RecordError(f"field {key!r} should be a string, got {type(value).__name__}")
+    if required and not allow_empty and not value.strip():
+        raise RecordError(f"field {key!r} is empty")
+    return value
+
+
+class CompletionFormat:
+    """Plain text; every token trained; EOS appended."""
+
+    def __init__(self, ds: DatasetConfig, data: DataConfig, tokenizer: Any) -> None:
+        self.key, self.add_eos = ds.text_field, data.add_eos
+
+    def __call__(self, rec: dict[str, Any]) -> Formatted:
+        text = _field(rec, self.key)
+        return Formatted(text, [(0, len(text))], add_eos=self.add_eos)
+
+
+class AlpacaFormat:
+    """instruction / input / output with the documented Alpaca prompt; optional ``history`` turns."""
+
+    def __init__(self, ds: DatasetConfig, data: DataConfig, tokenizer: Any) -> None:
+        self.ds, self.all_trained, self.add_eos = ds, data.train_on_inputs, data.add_eos
+
+    def _history(self, rec: dict[str, Any]) -> list[tuple[str, str]]:
+        key = self.ds.history_field
+        turns = rec.get(key) if key else None
+        if not turns:
+            return []
+        if not isinstance(turns, list) or not all(
+            isinstance(t, list | tuple) and len(t) == 2 and all(isinstance(x, str) for x in t) for t in turns
+        ):
+            raise RecordError(f"field {key!r} should be a list of [user, assistant] string pairs")
+        return [(u, a) for u, a in turns]
+
+    def __call__(self, rec: dict[str, Any]) -> Formatted:
+        instruction = _field(rec, self.ds.instruction_field)
+        inp = _field(rec, self.ds.input_field, required=False)
+        output = _field(rec, self.ds.output_field)
+        parts: list[tuple[str, bool]] = []
+        history = self._history(rec)
+        for i, (user, assistant) in enumerate(history):
+            head = ALPACA_PROMPT_NO_INPUT if i == 0 else ALPACA_TURN
+            parts += [(head.format(instruction=user), False), (assistant, True), ("\n\n", False)]
+        if history:
+            prompt = ALPACA_TURN.format(instruction=instruction if not inp else f"{instruction}\n\n{inp}")
+        elif inp.strip():
+            prompt = ALPACA_PROMPT.format(instruction=instruction, input=inp)
+        else:
+            prompt = ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
+        parts += [(prompt, False), (output, True)]
+        return _join(parts, self.all_trained, self.add_eos)
+
+
+def _join(parts: list[tuple[str, bool]], all_trained: bool, add_eos: bool) -> Formatted:
+    """Concatenate ``(text, trained)`` parts into text and merged trained spans."""
+    text, spans, pos = [], [], 0
+    for piece, trained in parts:
+        if (trained or all_trained) and piece:
+            spans.append((pos, pos + len(piece)))
+        text.append(piece)
+        pos += len(piece)
+    return Formatted("".join(text), _merge(spans), add_eos=add_eos)
+
+
+def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for s, e in spans:
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(e, out[-1][1]))
+        else:
+            out.append((s, e))
+    return out
+
+
+class InputOutputFormat:
+    """Pre-rendered segments ``[{"text": ..., "label": true|false}, ...]``; no EOS added."""
+
+    def __init__(self, ds: DatasetConfig, data: DataConfig, tokenizer: Any) -> None:
+        self.key, self.all_trained = ds.segments_field, data.train_on_inputs
+
+    def __call__(self, rec: dict[str, Any]) -> Formatted:
+        segs = rec.get(self.key)
+        if segs is None:
+            raise RecordError(f"missing field {self.key!r}")
+        if not isinstance(segs, list) or not segs:
+            raise RecordError(f"field {self.key!r} should be a non-empty list of {{text, label}} segments")
+        parts = []
+        for i, seg in enumerate(segs):
+            if not isinstance(seg, dict) or not isinstance(seg.get("text"), str):
+                raise RecordError(f"{self.key}[{i}] should be an object with a string 'text'")
+            label = seg.get("label", False)
+            if not isinstance(label, bool):
+                raise RecordError(f"{self.key}[{i}].label should be true or false, got {label!r}")
+            parts.append((seg["text"], label))
+        text = "".join(p for p, _ in parts)
+        if not text.strip():
+            raise RecordError(f"field {self.key!r} holds only empty text")
+        spans, pos = [], 0
+        for piece, trained in parts:
+            if (trained or self.all_trained) and piece:
+                spans.append((pos, pos + len(piece)))
+            pos += len(piece)
+        return Formatted(text, _merge(spans), add_eos=False)
+
+
+class ChatTemplateFormat:
+    """Conversations rendered with the tokenizer's own chat template; trained roles located by span.
+
+    Each turn's span is found by rendering growing prefixes of the conversation: turn ``i`` covers
+    ``render(msgs[:i+1])[len(render(msgs[:i])):]``, and the trained part starts where the turn's
+    content starts (so the role header is not trained) and runs to the turn's end marker, e.g. for
+    ChatML ``<|im_start|>assistant\\nHi!<|im_end|>\\n`` the trained text is ``Hi!<|im_end|>``.
+    This works for templates with no generation markers (``{% generation %}``) too.
+    """
+
+    def __init__(self, ds: DatasetConfig, data: DataConfig, tokenizer: Any) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise RecordError(
+                f"dataset {ds.path!r} has type chat_template but tokenizer "
+                f"{getattr(tokenizer, 'name_or_path', '?')!r} has no chat template"
+            )
+        self.ds, self.tok, self.all_trained = ds, tokenizer, data.train_on_inputs
+        self.train_roles = set(ds.roles_to_train)
+
+    def _messages(self, rec: dict[str, Any]) -> list[dict[str, str]]:
+        key = self.ds.messages_field or next((k for k in ("messages", "conversations") if k in rec), None)
+        if key is None or key not in rec:
+            raise RecordError(f"missing field {self.ds.messages_field or 'messages/conversations'!r}")
+        turns = rec[key]
+        if not isinstance(turns, list) or not turns:
+            raise RecordError(f"field {key!r} should be a non-empty list of turns")
+        msgs = []
+        for i, turn in enumerate(turns):
+            if not isinstance(turn, dict):
+                raise RecordError(f"{key}[{i}] should be an object, got {type(turn).__name__}")
+            rk = self.ds.role_key or ("role" if "role" in turn else "from")
+            ck = self.ds.content_key or ("content" if "content" in turn else "value")
+            if rk not in turn or ck not in turn:
+                raise RecordError(f"{key}[{i}] lacks {rk!r} or {ck!r}")
+            role, content = turn[rk], turn[ck]
+            if role not in self.ds.role_map:
+                raise RecordError(f"{key}[{i}]: unknown role {role!r} (known: {', '.join(sorted(self.ds.role_map))})")
+            if not isinstance(content, str):
+                raise RecordError(f"{key}[{i}].{ck} should be a string, got {type(content).__name__}")
+            msgs.append({"role": self.ds.role_map[role], "content": content})
+        if not any(m["role"] in self.train_roles for m in msgs):
+            raise RecordError(f"conversation has no {'/'.join(sorted(self.train_roles))} turn")
+        return msgs
+
+    def _render(self, msgs: list[dict[str, str]], tools: Any) -> str:
+        if not msgs:
+            return ""
+        return self.tok.apply_chat_template(msgs, tools=tools, tokenize=False)
+
+    def __call__(self, rec: dict[str, Any]) -> Formatted:
+        msgs = self._messages(rec)
+        tools = _tools(rec.get("tools"))
+        rendered = [self._render(msgs[: i + 1], tools) for i in range(len(msgs))]
+        full = rendered[-1]
+        if self.all_trained:
+            return Formatted(full, [(0, len(full))], add_special_tokens=False)
+        spans, prev = [], ""
+        for msg, cur in zip(msgs, rendered, strict=True):
+            if not cur.startswith(prev) or not full.startswith(cur):
+                raise RecordError("the chat template does not render conversations prefix-by-prefix; "
+                                  "use input_output segments for this template")
+            if msg["role"] in self.train_roles and msg["content"].strip():
+                # An empty turn trains nothing (not even its end marker): such samples are reported.
+                found = cur.find(msg["content"], len(prev))
+                start = found if found >= 0 else len(prev)
+                end = len(cur.rstrip())
+                if end > start:
+                    spans.append((start, end))
+            prev = cur
+        return Formatted(full, spans, add_special_tokens=False)
+
+
+def _tools(value: Any) -> list | None:
+    """A ``tools`` column as a list (ShareGPT/Glaive stores it as a JSON string); bad ones are ignored."""
+    if isinstance(value, str) and value.strip():
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return None
+    return value if isinstance(value, list) and value else None
+
+
+FORMATS = {
+    "completion": CompletionFormat,
+    "alpaca": AlpacaFormat,
+    "input_output": InputOutputFormat,
+    "chat_template": ChatTemplateFormat,
+}
+
+
+def make_formatter(ds: DatasetConfig, data: DataConfig, tokenizer: Any):
+    """The formatter for a dataset entry: ``record dict -> Formatted``."""
+    return FORMATS[ds.type](ds, data, tokenizer)

@@ -1,0 +1,224 @@
+"""Packing: tokenized samples -> rows of at most ``sequence_len`` tokens.
+
+Strategies (``data.packing``):
+
+* ``bfd`` - best-fit-decreasing over a buffer of ``pack_buffer_size`` samples; a sample is never
+  split. Example with capacity 10 and lengths [6, 5, 4, 3, 2]: sorted decreasing, 6 opens bin A
+  (4 left), 5 opens B (5 left), 4 fits A best (0 left), 3 fits B (2 left), 2 fits B (0 left) ->
+  rows [6, 4] and [5, 3, 2], 100% full.
+* ``concat`` - documents (already ending in EOS) joined and cut every ``sequence_len`` tokens; a
+  document may continue into the next row. The last, shorter row of each buffer is emitted (no token
+  is lost) and counted as ``concat_partial_rows``.
+* ``none`` - one sample per row.
+
+Samples longer than ``sequence_len`` (bfd, none) are truncated or dropped per ``data.oversize``,
+counted either way. ``position_ids`` restart at 0 at every sample's first token in the row.
+Rows of each buffer are shuffled with a seed derived from ``data.shuffle_seed`` and the buffer's
+first sample id, so the order is the same run after run.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from pipelines.sources import SourceTable
+from pipelines.stats import Counts, StatsSink
+from pipelines.tokenize import IGNORE_INDEX, list_array
+
+PACKED_SCHEMA = pa.schema(
+    [
+        ("input_ids", pa.list_(pa.int32())),
+        ("labels", pa.list_(pa.int32())),
+        ("position_ids", pa.list_(pa.int32())),
+        ("sample_ids", pa.list_(pa.int64())),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    """Everything a packing task needs; cheap to serialize."""
+
+    strategy: str  # none | concat | bfd
+    sequence_len: int
+    oversize: str = "truncate"  # truncate | drop
+    shuffle_seed: int = 42
+
+
+def best_fit_decreasing(lengths: list[int] | np.ndarray, capacity: int) -> list[list[int]]:
+    """Bins of sample indices, each summing to <= capacity (every length must be <= capacity).
+
+    Items are placed longest first (ties: earlier index first) into the bin with the least room that
+    still fits them, which keeps bins full; bins come out in the order they were opened.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    bins: list[list[int]] = []
+    room: list[int] = []  # remaining capacities of the bins that still have room, sorted ...
+    room_bin: list[int] = []  # ... and the bin each belongs to
+    for i in order:
+        n = int(lengths[i])
+        assert 0 < n <= capacity, f"length {n} does not fit capacity {capacity}"
+        k = bisect.bisect_left(room, n)  # the fullest bin that still fits n
+        if k == len(room):
+            b, left = len(bins), capacity - n
+            bins.append([i])
+        else:
+            b, left = room_bin.pop(k), room.pop(k) - n
+            bins[b].append(i)
+        if left > 0:
+            j = bisect.bisect_left(room, left)
+            room.insert(j, left)
+            room_bin.insert(j, b)
+    return bins
+
+
+@dataclass
+class Samples:
+    """A buffer of tokenized samples as flat numpy arrays (``offsets`` delimit samples)."""
+
+    sample_ids: np.ndarray
+    ids: list[np.ndarray]
+    labels: list[np.ndarray]
+
+    @classmethod
+    def from_table(cls, table: pa.Table) -> Samples:
+        sid = table.column("sample_id").to_numpy()
+        return cls(sid, _split_lists(table.column("input_ids")), _split_lists(table.column("labels")))
+
+
+def _split_lists(col: pa.ChunkedArray) -> list[np.ndarray]:
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    offsets = arr.offsets.to_numpy()
+    values = arr.values.to_numpy(zero_copy_only=False)
+    return [values[offsets[i] : offsets[i + 1]] for i in range(len(arr))]
+
+
+def fit_to_length(s: Samples, opts: PackOptions, counts: Counts, where: Callable[[int], str] = str) -> Samples:
+    """Apply the oversize policy; drop samples left without trained tokens after truncation."""
+    keep_sid, keep_ids, keep_labels = [], [], []
+    limit = opts.sequence_len
+    for sid, ids, labels in zip(s.sample_ids, s.ids, s.labels, strict=True):
+        if len(ids) > limit:
+            if opts.oversize == "drop":
+                counts.add("dropped_oversize", 1, f"{where(int(sid))}: {len(ids)} tokens")
+                continue
+            counts.add("truncated_samples", 1, f"{where(int(sid))}: {len(ids)} tokens")
+            counts.add("truncated_tokens", len(ids) - limit)
+            ids, labels = ids[:limit], labels[:limit]
+            if not (labels != IGNORE_INDEX).any():
+                counts.add("dropped_no_trained_after_truncation", 1, f"{where(int(sid))}: {len(ids)} tokens kept")
+                continue
+        keep_sid.append(sid)
+        keep_ids.append(ids)
+        keep_labels.append(labels)
+    return Samples(np.asarray(keep_sid, dtype=np.int64), keep_ids, keep_labels)
+
+
+@dataclass
+class Rows:
+    """Packed rows under construction."""
+
+    ids: list[np.ndarray]
+    labels: list[np.ndarray]
+    positions: list[np.ndarray]
+    sample_ids: list[np.ndarray]
+
+    def to_table(self) -> pa.Table:
+        return pa.Table.from_arrays(
+            [
+                list_array(self.ids),
+                list_array(self.labels),
+                list_array(self.positions),
+                list_array(self.sample_ids, pa.int64()),
+            ],
+            schema=PACKED_SCHEMA,
+        )
+
+
+def rows_from_bins(s: Samples, bins: list[list[int]]) -> Rows:
+    """Concatenate each bin's samples in order; positions restart per sample."""
+    rows = Rows([], [], [], [])
+    for b in bins:
+        rows.ids.append(np.concatenate([s.ids[i] for i in b]))
+        rows.labels.append(np.concatenate([s.labels[i] for i in b]))
+        rows.positions.append(np.concatenate([np.arange(len(s.ids[i]), dtype=np.int32) for i in b]))
+        rows.sample_ids.append(s.sample_ids[b].astype(np.int64))
+    return rows
+
+
+def concat_rows(s: Samples, seq_len: int, counts: Counts) -> Rows:
+    """Join documents and cut every ``seq_len`` tokens.
+
+    Example, seq_len 4, docs a=[1,2,3] b=[4,5,6,7,8]: stream 1 2 3 4 5 6 7 8 -> rows [1,2,3,4]
+    (positions 0 1 2 0, samples a b) and [5,6,7,8] (positions 1 2 3 4 -> restarted at the row: 0 1 2 3,
+    samples b).
+    """
+    rows = Rows([], [], [], [])
+    if not s.ids:
+        return rows
+    ids = np.concatenate(s.ids)
+    labels = np.concatenate(s.labels)
+    lengths = np.asarray([len(x) for x in s.ids])
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    g = np.arange(len(ids))
+    doc = np.searchsorted(starts, g, side="right") - 1
+    row_start = (g // seq_len) * seq_len
+    pos = (g - np.maximum(starts[doc], row_start)).astype(np.int32)
+    for r0 in range(0, len(ids), seq_len):
+        r1 = min(r0 + seq_len, len(ids))
+        rows.ids.append(ids[r0:r1])
+        rows.labels.append(labels[r0:r1])
+        rows.positions.append(pos[r0:r1])
+        rows.sample_ids.append(s.sample_ids[np.unique(doc[r0:r1])].astype(np.int64))
+    tail = len(ids) % seq_len
+    if tail:
+        counts.add("concat_partial_rows")
+        counts.add("concat_partial_tokens", int(tail))
+    return rows
+
+
+def shuffle_rows(rows: Rows, seed: int, key: int) -> Rows:
+    """Seeded permutation of a buffer's rows (same seed and buffer -> same order)."""
+    rng = np.random.default_rng([seed & 0xFFFFFFFF, key & 0xFFFFFFFFFFFF])
+    perm = rng.permutation(len(rows.ids))
+    return Rows(*[[part[i] for i in perm] for part in (rows.ids, rows.labels, rows.positions, rows.sample_ids)])
+
+
+def pack_samples(s: Samples, opts: PackOptions, counts: Counts, where: Callable[[int], str] = str) -> Rows:
+    """Pack one buffer of samples with the configured strategy (``where`` names a sample in messages)."""
+    if opts.strategy == "concat":
+        return concat_rows(s, opts.sequence_len, counts)
+    s = fit_to_length(s, opts, counts, where)
+    if opts.strategy == "bfd":
+        bins = best_fit_decreasing([len(x) for x in s.ids], opts.sequence_len)
+    else:
+        bins = [[i] for i in range(len(s.ids))]
+    return rows_from_bins(s, bins)
+
+
+class Packer:
+    """``map_batches`` callable: one buffer of tokenized samples -> shuffled packed rows."""
+
+    def __init__(self, opts: PackOptions, sink: StatsSink, table: SourceTable | None = None) -> None:
+        self.opts, self.sink, self.table = opts, sink, table
+
+    def _where(self, sample_id: int) -> str:
+        return self.table.where(sample_id) if self.table else f"sample {sample_id}"
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        counts = Counts()
+        s = Samples.from_table(batch)
+        rows = pack_samples(s, self.opts, counts, self._where)
+        if len(s.sample_ids):
+            rows = shuffle_rows(rows, self.opts.shuffle_seed, int(s.sample_ids.min()))
+        n_tokens = sum(len(r) for r in rows.ids)
+        counts.add("rows", len(rows.ids))
+        counts.add("row_tokens", n_tokens)
+        counts.add("row_capacity", len(rows.ids) * self.opts.sequence_len)
+        self.sink.send(counts)
+        return rows.to_table()

@@ -1,0 +1,184 @@
+"""Tokenize: the CPU actor stage, ``(sample_id, record)`` blocks -> ``(sample_id, input_ids, labels)``.
+
+Each actor loads the tokenizer once. Per batch it parses the JSON records, formats them
+(:mod:`pipelines.formats`), encodes all texts in one ``encode_batch`` call of the Rust tokenizer,
+and turns each format's trained character spans into labels with ``char_to_token``, so the cost
+per sample is a few lookups, not a loop over tokens.
+
+Worked example (completion, GPT-2): ``"Hello world"`` -> ids ``[15496, 995, 50256]`` (EOS
+appended), labels ``[15496, 995, 50256]``. Labels are not shifted; the model shifts them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pipelines.config import DataConfig, ModelConfig
+from pipelines.datasource import BadRecordError
+from pipelines.formats import Formatted, RecordError, make_formatter
+from pipelines.sources import SourceTable, split_sample_id
+from pipelines.stats import Counts, StatsSink
+
+IGNORE_INDEX = -100
+TOKENIZED_SCHEMA = pa.schema(
+    [("sample_id", pa.int64()), ("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))]
+)
+
+
+def resolve_tokenizer_path(model: ModelConfig) -> str:
+    """``model.tokenizer`` (or ``name_or_path``) with ``demo://`` made local."""
+    path = model.tokenizer_path
+    if path.startswith("demo://"):
+        from pipelines.demo import resolve_demo_path
+
+        path = resolve_demo_path(path)
+    return path
+
+
+def load_tokenizer(model: ModelConfig) -> Any:
+    """Load the configured Hugging Face tokenizer (local directory or cached id; never the Hub at run time)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_tokenizer_path(model), trust_remote_code=model.trust_remote_code)
+
+
+def _first_token(enc: Any, start: int, end: int, step: int) -> int | None:
+    """Token index of the first (step=1) or last (step=-1) character in [start, end) that maps to one."""
+    rng = range(start, end) if step == 1 else range(end - 1, start - 1, -1)
+    for pos in rng:
+        tok = enc.char_to_token(pos)
+        if tok is not None:
+            return tok
+    return None
+
+
+def span_labels(ids: np.ndarray, enc: Any, spans: list[tuple[int, int]]) -> tuple[np.ndarray, int]:
+    """Labels (``ids`` where a token overlaps a trained span, else -100) and the number of straddles.
+
+    A token that straddles a span's start (GPT-2 merges a prompt's trailing ``"\n"`` with a
+    response's leading ``"\n\n"`` into one ``"\n\n\n"`` token) is trained, since it holds response
+    text; such cases are counted (``label_span_straddles``) so a template can be fixed if they are common.
+    """
+    labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int32)
+    straddles = 0
+    for start, end in spans:
+        first = _first_token(enc, start, end, 1)
+        if first is None:
+            continue
+        last = _first_token(enc, start, end, -1)
+        labels[first : last + 1] = ids[first : last + 1]
+        straddles += enc.offsets[first][0] < start
+    return labels, straddles
+
+
+class Tokenizer:
+    """Callable actor class for ``map_batches``: records -> token ids and labels.
+
+    Constructor arguments are small: configs, the file table (for error locations) and the stats sink.
+    """
+
+    def __init__(self, data: DataConfig, model: ModelConfig, table: SourceTable, sink: StatsSink, threads: int = 1):
+        os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "true" if threads > 1 else "false")
+        self.data, self.table, self.sink = data, table, sink
+        self.hf = load_tokenizer(model)
+        if not getattr(self.hf, "is_fast", False):
+            raise ValueError(f"tokenizer {model.tokenizer_path!r} is not a fast tokenizer (needs tokenizer.json)")
+        # Lengths are ours to manage: a truncation or padding setting saved inside tokenizer.json
+        # (the upstream GPT-2 file truncates at 50 tokens) would silently cut samples.
+        self.backend = self.hf.backend_tokenizer
+        self.backend.no_truncation()
+        self.backend.no_padding()
+        self.eos = self.hf.eos_token_id
+        self.formatters = [make_formatter(ds, data, self.hf) for ds in table.datasets]
+        if data.add_eos and self.eos is None and any(ds.type in ("completion", "alpaca") for ds in table.datasets):
+            raise ValueError(f"tokenizer {model.tokenizer_path!r} has no eos_token; set data.add_eos: false")
+
+    # -- one record -------------------------------------------------------------------------
+    def _format(self, sample_id: int, record: str, counts: Counts) -> Formatted | None:
+        try:
+            rec = json.loads(record)
+        except json.JSONDecodeError as err:
+            return self._bad(sample_id, f"malformed JSON ({err.msg} at column {err.colno})", counts)
+        if not isinstance(rec, dict):
+            return self._bad(sample_id, f"a record should be a JSON object, got {type(rec).__name__}", counts)
+        source, _ = split_sample_id(sample_id)
+        try:
+            return self.formatters[self.table.files[source].dataset_index](rec)
+        except RecordError as err:
+            return self._bad(sample_id, str(err), counts)
+
+    def _bad(self, sample_id: int, msg: str, counts: Counts, key: str = "skipped_bad_record") -> None:
+        where = self.table.where(sample_id)
+        if self.data.on_bad_record == "raise":
+            raise BadRecordError(f"{where}: {msg} (set data.on_bad_record: skip to skip and count such records)")
+        counts.add(key, 1, f"{where}: {msg}")
+        return None
+
+    def _encode(self, items: list[Formatted]) -> list[Any]:
+        """Encodings for a batch, grouped by whether the tokenizer adds its special tokens."""
+        out: list[Any] = [None] * len(items)
+        for flag in (True, False):
+            idx = [i for i, f in enumerate(items) if f.add_special_tokens is flag]
+            if not idx:
+                continue
+            encs = self.backend.encode_batch([items[i].text for i in idx], add_special_tokens=flag)
+            for i, enc in zip(idx, encs, strict=True):
+                out[i] = enc
+        return out
+
+    # -- one batch --------------------------------------------------------------------------
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        counts = Counts()
+        sids: list[int] = []
+        items: list[Formatted] = []
+        for sid, rec in zip(batch.column("sample_id").to_pylist(), batch.column("record").to_pylist(), strict=True):
+            f = self._format(sid, rec, counts)
+            if f is not None:
+                sids.append(sid)
+                items.append(f)
+        keep_ids, all_ids, all_labels, lengths = [], [], [], []
+        for sid, f, enc in zip(sids, items, self._encode(items), strict=True):
+            ids = np.asarray(enc.ids, dtype=np.int32)
+            labels, straddles = span_labels(ids, enc, f.spans)
+            if straddles:
+                counts.add("label_span_straddles", straddles, self.table.where(sid))
+            if f.add_eos:
+                ids = np.append(ids, np.int32(self.eos))
+                labels = np.append(labels, np.int32(self.eos if f.spans else IGNORE_INDEX))
+            if not (labels != IGNORE_INDEX).any():
+                self._bad(sid, "no trained tokens (nothing to learn from this sample)", counts, "skipped_no_trained_tokens")
+                continue
+            keep_ids.append(sid)
+            all_ids.append(ids)
+            all_labels.append(labels)
+            lengths.append(len(ids))
+        counts.add("samples_tokenized", len(keep_ids))
+        counts.add("tokens", int(sum(lengths)))
+        self.sink.send(counts)
+        return tokenized_table(keep_ids, all_ids, all_labels)
+
+
+INT32 = pa.int32()
+
+
+def list_array(parts: list[np.ndarray], dtype: pa.DataType = INT32) -> pa.Array:
+    """A list<dtype> Arrow array from numpy pieces, without per-element Python work."""
+    offsets = np.zeros(len(parts) + 1, dtype=np.int32)
+    if parts:
+        np.cumsum([len(p) for p in parts], out=offsets[1:])
+    values = np.concatenate(parts) if parts else np.zeros(0)
+    np_dtype = np.int64 if dtype == pa.int64() else np.int32
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values.astype(np_dtype), dtype))
+
+
+def tokenized_table(sample_ids: list[int], ids: list[np.ndarray], labels: list[np.ndarray]) -> pa.Table:
+    """The tokenizer stage's output block."""
+    return pa.Table.from_arrays(
+        [pa.array(sample_ids, pa.int64()), list_array(ids), list_array(labels)], schema=TOKENIZED_SCHEMA
+    )
