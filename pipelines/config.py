@@ -173,6 +173,10 @@ class DataConfig(_Strict):
     eval_datasets: list[DatasetConfig] = Field(default_factory=list, description="Evaluation sources.")
     tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
     read_num_cpus: float = Field(0.25, gt=0, description="CPUs reserved per read task (small so actors never starve reads).")
+    read_tasks: int = Field(8, gt=0, description="Read tasks (each owns a contiguous group of whole files).")
+    deterministic: bool = Field(
+        True, description="Keep the stream in read order (needed for exact mid-epoch resume); false trades that for throughput."
+    )
 
     @model_validator(mode="after")
     def _eval_sources(self) -> DataConfig:

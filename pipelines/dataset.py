@@ -1,8 +1,10 @@
 """``build_dataset``: the stages wired into one lazy, streaming ``ray.data.Dataset`` of packed rows.
 
     read tasks (whole files, seeded order)   ->  tokenizer actors (CPU pool)  ->  packing tasks
-    sample_id, record                            sample_id, input_ids, labels     input_ids, labels,
+    one block per unit: sample_id, record        sample_id, input_ids, labels     input_ids, labels,
                                                                                    position_ids, sample_ids
+A *unit* is ``pack_buffer_size`` consecutive records of one file; it is packed on its own, so the
+rows are a function of the data and the config, and a resume point is "file, unit, rows done".
 
 Nothing is read until the dataset is iterated: building it lists files (metadata only) and starts
 one tiny counters actor. Memory is bounded by Ray Data's streaming backpressure and the buffer sizes
@@ -15,13 +17,14 @@ import math
 import os
 import random
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 import ray
 
 from pipelines.config import Config, TokenizeConfig
-from pipelines.datasource import ReadOptions, ShardDatasource, read_files
+from pipelines.datasource import Cursor, ReadOptions, ShardDatasource, read_files
 from pipelines.packing import Packer, PackOptions
 from pipelines.sources import SourceTable, datasets_for_split, resolve_sources
 from pipelines.stats import StatsSink, format_report, new_stats_actor
@@ -32,11 +35,37 @@ from pipelines.tokenize import Tokenizer
 CPU_RESERVE_FOR_READS = 0.5
 
 
-def file_order(n_files: int, seed: int) -> list[int]:
-    """Read order of the files: a seeded permutation (ids stay tied to sorted order)."""
+def file_order(n_files: int, seed: int, epoch: int = 0) -> list[int]:
+    """Read order of the files in an epoch: a seeded permutation (ids stay tied to sorted order)."""
     order = list(range(n_files))
-    random.Random(seed).shuffle(order)
+    random.Random(f"{seed}:{epoch}").shuffle(order)
     return order
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a stream starts: file ``file_pos`` of the epoch's read order, at a unit boundary.
+
+    ``row``/``byte`` locate the unit's first record in that file; ``skip_rows`` of that unit's packed
+    rows were already trained on. Made by :mod:`pipelines.resume` from the rows a run consumed.
+    """
+
+    epoch: int = 0
+    file_pos: int = 0
+    row: int = 0
+    byte: int = -1
+    skip_rows: int = 0
+
+
+def ordered_files(cfg: Config, table: SourceTable, epoch: int, datasets: list[int] | None = None) -> list[int]:
+    """Indices into ``table.files`` in the epoch's read order, optionally only some dataset entries."""
+    chosen = [f.source_index for f in table.files if datasets is None or f.dataset_index in datasets]
+    return [chosen[i] for i in file_order(len(chosen), cfg.data.shuffle_seed, epoch)]
+
+
+def unit_size(cfg: Config) -> int:
+    """Records per packing unit: the pack buffer (bfd, concat) or a tokenizer batch (none)."""
+    return cfg.data.pack_buffer_size if cfg.data.packing != "none" else cfg.data.tokenize.batch_size
 
 
 def _cluster_cpus() -> float:
@@ -64,31 +93,51 @@ def _read_options(cfg: Config, table: SourceTable, split: str) -> ReadOptions:
         text_fields=tuple(ds.text_field for ds in table.datasets),
         eval_fraction=cfg.data.eval_fraction if not cfg.data.eval_datasets else 0.0,
         split=split,
+        unit_size=unit_size(cfg),
     )
 
 
-def _pack_options(cfg: Config) -> PackOptions:
+def _pack_options(cfg: Config, epoch: int) -> PackOptions:
     d = cfg.data
-    return PackOptions(d.packing, d.sequence_len, d.oversize, d.shuffle_seed)
+    return PackOptions(d.packing, d.sequence_len, d.oversize, d.shuffle_seed, epoch)
 
 
-def build_dataset(cfg: Config, split: str = "train") -> ray.data.Dataset:
+def _start(start: ResumePoint | None) -> tuple[int, Cursor | None, int]:
+    if start is None:
+        return 0, None, 0
+    return start.file_pos, Cursor(start.row, start.byte), start.skip_rows
+
+
+def build_dataset(
+    cfg: Config,
+    split: str = "train",
+    *,
+    epoch: int = 0,
+    start: ResumePoint | None = None,
+    datasets: list[int] | None = None,
+) -> ray.data.Dataset:
     """A lazy ``ray.data.Dataset`` of packed rows for ``split`` (``train`` or ``eval``).
 
-    Columns: ``input_ids``, ``labels``, ``position_ids`` (list<int32>) and ``sample_ids``
-    (list<int64>); see docs/design.md. ``data_report(ds)`` returns the data-quality counters.
+    Columns: ``input_ids``, ``labels``, ``position_ids`` (list<int32>), ``sample_ids`` (list<int64>)
+    and the ``unit_*`` position columns; see docs/design.md. With ``data.deterministic`` the row
+    order is the same run after run. ``start`` resumes mid-epoch; ``datasets`` restricts the stream
+    to some entries of ``data.datasets`` (one stream per source when mixing).
+    ``data_report(ds)`` returns the data-quality counters.
     """
     datasets_for_split(cfg, split)  # a clear error for a split with no sources, before listing
     table = resolve_sources(cfg, split)
     sink = StatsSink(new_stats_actor())
-    source = ShardDatasource(table, file_order(len(table.files), cfg.data.shuffle_seed), _read_options(cfg, table, split), sink)
-    ds = ray.data.read_datasource(source, num_cpus=cfg.data.read_num_cpus)
+    order = ordered_files(cfg, table, epoch, datasets)
+    first, cursor, skip = _start(start)
+    source = ShardDatasource(table, order[first:], _read_options(cfg, table, split), sink, cursor, skip)
+    n_tasks = max(1, min(len(order) - first, cfg.data.read_tasks))
+    ds = ray.data.read_datasource(source, num_cpus=cfg.data.read_num_cpus, override_num_blocks=n_tasks)
 
     tok = cfg.data.tokenize
     ds = ds.map_batches(
         Tokenizer,
         fn_constructor_kwargs={"data": cfg.data, "model": cfg.model, "table": table, "sink": sink, "threads": tok.threads},
-        batch_size=tok.batch_size,
+        batch_size=None,  # whole blocks: a block is one unit (or several, never part of one)
         batch_format="pyarrow",
         concurrency=tokenizer_pool_size(tok),
         num_cpus=tok.num_cpus,
@@ -96,43 +145,32 @@ def build_dataset(cfg: Config, split: str = "train") -> ray.data.Dataset:
         runtime_env={"env_vars": {"RAYON_NUM_THREADS": str(tok.threads),
                                   "TOKENIZERS_PARALLELISM": "true" if tok.threads > 1 else "false"}},
     )
-    pack_batch = cfg.data.pack_buffer_size if cfg.data.packing != "none" else tok.batch_size
     ds = ds.map_batches(
         _pack,
-        fn_kwargs={"packer": Packer(_pack_options(cfg), sink, table)},
-        batch_size=pack_batch,
+        fn_kwargs={"packer": Packer(_pack_options(cfg, epoch), sink, table)},
+        batch_size=None,
         batch_format="pyarrow",
         num_cpus=cfg.data.read_num_cpus,
     )
+    ds.context.execution_options.preserve_order = cfg.data.deterministic
     ds.pipelines_stats = sink  # type: ignore[attr-defined]  # read by data_report()
     return ds
 
 
-def iter_packed_local(cfg: Config, split: str = "train", sink: StatsSink | None = None) -> Iterator[pa.Table]:
-    """The same stages in this process, without Ray: packed-row tables in order.
+def iter_packed_local(cfg: Config, split: str = "train", sink: StatsSink | None = None, *, epoch: int = 0,
+                      start: ResumePoint | None = None) -> Iterator[pa.Table]:
+    """The same stages in this process, without Ray: packed-row tables in stream order.
 
-    For debugging a config in a notebook and for tests; the training path uses :func:`build_dataset`.
+    For debugging a config in a notebook and for tests; training uses :func:`build_dataset`.
     """
     table = resolve_sources(cfg, split)
     sink = sink or StatsSink()
-    files = [table.files[i] for i in file_order(len(table.files), cfg.data.shuffle_seed)]
+    first, cursor, skip = _start(start)
+    files = [table.files[i] for i in ordered_files(cfg, table, epoch)[first:]]
     tokenizer = Tokenizer(cfg.data, cfg.model, table, sink, cfg.data.tokenize.threads)
-    packer = Packer(_pack_options(cfg), sink, table)
-    buffer_size = cfg.data.pack_buffer_size if cfg.data.packing != "none" else cfg.data.tokenize.batch_size
-    pending: list[pa.Table] = []
-    n_pending = 0
-    for block in read_files(files, _read_options(cfg, table, split), sink):
-        for start in range(0, block.num_rows, cfg.data.tokenize.batch_size):
-            tokenized = tokenizer(block.slice(start, cfg.data.tokenize.batch_size))
-            pending.append(tokenized)
-            n_pending += tokenized.num_rows
-            while n_pending >= buffer_size:
-                merged = pa.concat_tables(pending)
-                yield packer(merged.slice(0, buffer_size))
-                rest = merged.slice(buffer_size)
-                pending, n_pending = [rest], rest.num_rows
-    if n_pending:
-        yield packer(pa.concat_tables(pending))
+    packer = Packer(_pack_options(cfg, epoch), sink, table)
+    for block in read_files(files, _read_options(cfg, table, split), sink, cursor, skip):
+        yield packer(tokenizer(block))
 
 
 def _pack(batch: Any, packer: Packer) -> Any:

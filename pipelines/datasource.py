@@ -1,9 +1,11 @@
 """A Ray Data ``Datasource`` over the resolved files: read tasks own whole files.
 
-Each read task streams its files and yields small Arrow blocks of two columns::
+Each read task streams its files and yields one Arrow block per *packing unit* (``unit_size``
+consecutive records of one file)::
 
     sample_id: int64    (source_index << 40) | row, see pipelines.sources
     record:    string   the record as a JSON object text, e.g. '{"instruction": "...", "output": "..."}'
+    unit_*:             constant per unit: where it starts and ends in its file (see UNIT_FIELDS)
 
 Records stay JSON text until the tokenizer actors parse them, so a block's schema never depends on
 the data (nested chat turns, optional fields) and parsing runs in the parallel actor pool. Read tasks
@@ -32,7 +34,18 @@ from pipelines.storage import StorageOptions, filesystem_for
 
 BLOCK_RECORDS = 1024
 READ_CHUNK_BYTES = 8 << 20
-SCHEMA = pa.schema([("sample_id", pa.int64()), ("record", pa.string())])
+MAX_UNIT_BYTES = 32 << 20
+# Unit columns are constant within a unit; they let packing verify it saw a whole unit and let the
+# trainer turn "rows consumed" into a resume position (see pipelines/resume.py).
+UNIT_FIELDS = [
+    ("unit_id", pa.int64()),  # sample id of the unit's first record
+    ("unit_start_byte", pa.int64()),  # byte offset of that record's line (-1: not seekable)
+    ("unit_end_row", pa.int64()),  # row after the unit's last record, in its file
+    ("unit_end_byte", pa.int64()),  # byte offset after the unit (-1: not seekable)
+    ("unit_records", pa.int32()),  # records in the unit (after the eval split)
+    ("unit_skip", pa.int32()),  # packed rows of this unit already trained on (resume)
+]
+SCHEMA = pa.schema([("sample_id", pa.int64()), ("record", pa.string()), *UNIT_FIELDS])
 
 
 class BadRecordError(ValueError):
@@ -48,6 +61,7 @@ class ReadOptions:
     text_fields: tuple[str, ...]  # per dataset: the key plain-text lines are stored under
     eval_fraction: float = 0.0
     split: str = "train"
+    unit_size: int = 10000  # records per packing unit (data.pack_buffer_size)
 
 
 BadHandler = Callable[[str, str], None]  # (location, message)
@@ -57,16 +71,56 @@ def _fs(file: SourceFile, opts: StorageOptions) -> pafs.FileSystem:
     return filesystem_for(file.url, opts)[0]
 
 
-def _iter_lines(fs: pafs.FileSystem, path: str) -> Iterator[bytes]:
-    """Lines of a (possibly compressed: .gz, .zst, .bz2 by extension) file, streamed in chunks."""
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".zst", ".zstd", ".lz4", ".br")
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where reading a file starts: a row and, when known, the byte offset of that row's line."""
+
+    row: int = 0
+    byte: int = -1  # -1: unknown or not seekable (compressed) -> skip rows from the start
+
+    @property
+    def at_start(self) -> bool:
+        return self.row == 0
+
+
+# A reader yields (row, record as JSON text, start byte, end byte) per record; bytes are -1 where
+# the format has no seekable offsets. It calls ``bad(where, message)`` for unusable bytes.
+Record = tuple[int, str, int, int]
+
+
+def _iter_lines(fs: pafs.FileSystem, path: str, cursor: Cursor) -> Iterator[tuple[int, bytes, int, int]]:
+    """``(row, line, start byte, end byte)`` of a text file, streamed in chunks, from ``cursor``.
+
+    Uncompressed files are opened for random access and seeked to ``cursor.byte``; compressed ones
+    (by extension) are decompressed from the start and rows before ``cursor.row`` are skipped.
+    """
+    seekable = cursor.byte >= 0 and not path.lower().endswith(COMPRESSED_SUFFIXES)
+    if seekable:
+        stream = fs.open_input_file(path)
+        stream.seek(cursor.byte)
+        row, pos = cursor.row, cursor.byte
+    else:
+        stream = fs.open_input_stream(path)
+        row, pos = 0, 0
+    compressed = path.lower().endswith(COMPRESSED_SUFFIXES)
     rest = b""
-    with fs.open_input_stream(path) as stream:
-        while chunk := stream.read(READ_CHUNK_BYTES):
+    with stream:
+        while True:
+            chunk = stream.read(READ_CHUNK_BYTES)
+            if not chunk:
+                break
             lines = (rest + chunk).split(b"\n")
             rest = lines.pop()
-            yield from lines
-    if rest:
-        yield rest
+            for line in lines:
+                end = pos + len(line) + 1
+                if row >= cursor.row:
+                    yield row, line, (-1 if compressed else pos), (-1 if compressed else end)
+                row, pos = row + 1, end
+    if rest and row >= cursor.row:
+        yield row, rest, (-1 if compressed else pos), (-1 if compressed else pos + len(rest))
 
 
 def _decode(raw: bytes, where: str, bad: BadHandler) -> str | None:
@@ -77,22 +131,26 @@ def _decode(raw: bytes, where: str, bad: BadHandler) -> str | None:
         return None
 
 
-def read_jsonl(fs: pafs.FileSystem, file: SourceFile, text_field: str, bad: BadHandler) -> Iterator[tuple[int, str]]:
+def read_jsonl(fs: pafs.FileSystem, file: SourceFile, text_field: str, bad: BadHandler,
+               cursor: Cursor = Cursor()) -> Iterator[Record]:
     """JSON Lines: one record per line; blank lines keep their row number but hold no record."""
     any_line = False
-    for row, raw in enumerate(_iter_lines(fs, file.path)):
+    for row, raw, start, end in _iter_lines(fs, file.path, cursor):
         if not raw.strip():
             continue
         any_line = True
         text = _decode(raw, f"{file.url} line {row + 1}", bad)
         if text is not None:
-            yield row, text
-    if not any_line:
+            yield row, text, start, end
+    if not any_line and cursor.at_start:
         bad(file.url, "empty file")
 
 
-def read_text(fs: pafs.FileSystem, file: SourceFile, text_field: str, bad: BadHandler) -> Iterator[tuple[int, str]]:
+def read_text(fs: pafs.FileSystem, file: SourceFile, text_field: str, bad: BadHandler,
+              cursor: Cursor = Cursor()) -> Iterator[Record]:
     """Plain text: the whole file is one document (row 0), stored as ``{text_field: ...}``."""
+    if not cursor.at_start:
+        return
     with fs.open_input_stream(file.path) as stream:
         raw = stream.read()
     if not raw.strip():
@@ -100,10 +158,11 @@ def read_text(fs: pafs.FileSystem, file: SourceFile, text_field: str, bad: BadHa
         return
     text = _decode(raw, f"{file.url}", bad)
     if text is not None:
-        yield 0, json.dumps({text_field: text}, ensure_ascii=False)
+        yield 0, json.dumps({text_field: text}, ensure_ascii=False), -1, -1
 
 
-def read_json_array(fs: pafs.FileSystem, file: SourceFile, text_field: str, bad: BadHandler) -> Iterator[tuple[int, str]]:
+def read_json_array(fs: pafs.FileSystem, file: SourceFile, text_field: str, bad: BadHandler,
+                    cursor: Cursor = Cursor()) -> Iterator[Record]:
     """A JSON file: an array of records (the whole file is parsed: use JSONL for big data), or JSON Lines."""
     with fs.open_input_stream(file.path) as stream:
         raw = stream.read()
@@ -112,7 +171,7 @@ def read_json_array(fs: pafs.FileSystem, file: SourceFile, text_field: str, bad:
         bad(file.url, "empty file")
         return
     if head != b"[":  # JSON Lines saved as .json
-        yield from read_jsonl(fs, file, text_field, bad)
+        yield from read_jsonl(fs, file, text_field, bad, Cursor(cursor.row))
         return
     text = _decode(raw, file.url, bad)
     if text is None:
@@ -122,24 +181,31 @@ def read_json_array(fs: pafs.FileSystem, file: SourceFile, text_field: str, bad:
     except json.JSONDecodeError as err:
         bad(file.url, f"malformed JSON at line {err.lineno} column {err.colno}: {err.msg}")
         return
-    for row, rec in enumerate(records):
-        yield row, json.dumps(rec, ensure_ascii=False)
+    for row in range(cursor.row, len(records)):
+        yield row, json.dumps(records[row], ensure_ascii=False), -1, -1
 
 
-def read_parquet(fs: pafs.FileSystem, file: SourceFile, text_field: str, bad: BadHandler) -> Iterator[tuple[int, str]]:
-    """Parquet: streamed by record batch; each row becomes a JSON record."""
-    row = 0
+def read_parquet(fs: pafs.FileSystem, file: SourceFile, text_field: str, bad: BadHandler,
+                 cursor: Cursor = Cursor()) -> Iterator[Record]:
+    """Parquet: streamed by row group (groups before ``cursor.row`` are not read); rows become JSON records."""
     with fs.open_input_file(file.path) as f:
         pf = pq.ParquetFile(f)
         if pf.metadata.num_rows == 0:
             bad(file.url, "empty file")
-        for batch in pf.iter_batches(batch_size=BLOCK_RECORDS):
-            for rec in batch.to_pylist():
-                yield row, json.dumps(rec, ensure_ascii=False, default=str)
-                row += 1
+        row = 0
+        for g in range(pf.metadata.num_row_groups):
+            n = pf.metadata.row_group(g).num_rows
+            if row + n <= cursor.row:
+                row += n
+                continue
+            for batch in pf.iter_batches(batch_size=BLOCK_RECORDS, row_groups=[g]):
+                for rec in batch.to_pylist():
+                    if row >= cursor.row:
+                        yield row, json.dumps(rec, ensure_ascii=False, default=str), -1, -1
+                    row += 1
 
 
-READERS: dict[str, Callable[..., Iterator[tuple[int, str]]]] = {
+READERS: dict[str, Callable[..., Iterator[Record]]] = {
     "jsonl": read_jsonl,
     "json": read_json_array,
     "parquet": read_parquet,
@@ -147,7 +213,7 @@ READERS: dict[str, Callable[..., Iterator[tuple[int, str]]]] = {
 }
 
 
-def register_reader(fmt: str, reader: Callable[..., Iterator[tuple[int, str]]]) -> None:
+def register_reader(fmt: str, reader: Callable[..., Iterator[Record]]) -> None:
     """Add a reader for a format (``mds`` registers itself from ``pipelines.mds``)."""
     READERS[fmt] = reader
 
@@ -163,19 +229,57 @@ def in_eval_split(sample_ids: np.ndarray, fraction: float) -> np.ndarray:
     return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53) < fraction
 
 
-def _block(ids: list[int], records: list[str], opts: ReadOptions) -> pa.Table:
-    arr = np.asarray(ids, dtype=np.int64)
+@dataclass
+class _Unit:
+    """Records of one packing unit under construction (consecutive rows of one file)."""
+
+    file: SourceFile
+    ids: list[int]
+    records: list[str]
+    start_byte: int
+    skip: int = 0
+    nbytes: int = 0
+
+
+def _unit_table(u: _Unit, end_row: int, end_byte: int, opts: ReadOptions) -> pa.Table:
+    """One unit as a block: its records plus constant unit columns (see module docstring)."""
+    arr = np.asarray(u.ids, dtype=np.int64)
+    records = u.records
     if opts.eval_fraction > 0:
         keep = in_eval_split(arr, opts.eval_fraction)
         if opts.split != "eval":
             keep = ~keep
         idx = np.nonzero(keep)[0]
         arr, records = arr[idx], [records[i] for i in idx]
-    return pa.Table.from_arrays([pa.array(arr, pa.int64()), pa.array(records, pa.string())], schema=SCHEMA)
+    n = len(arr)
+
+    def const(value: int, typ: pa.DataType) -> pa.Array:
+        return pa.array(np.full(n, value), typ)
+
+    return pa.Table.from_arrays(
+        [
+            pa.array(arr, pa.int64()),
+            pa.array(records, pa.string()),
+            const(u.ids[0], pa.int64()),
+            const(u.start_byte, pa.int64()),
+            const(end_row, pa.int64()),
+            const(end_byte, pa.int64()),
+            const(n, pa.int32()),
+            const(u.skip, pa.int32()),
+        ],
+        schema=SCHEMA,
+    )
 
 
-def read_files(files: list[SourceFile], opts: ReadOptions, sink: StatsSink) -> Iterator[pa.Table]:
-    """The body of one read task: stream its files, yield blocks of ``BLOCK_RECORDS`` records."""
+def read_files(files: list[SourceFile], opts: ReadOptions, sink: StatsSink, start: Cursor | None = None,
+               skip_rows: int = 0) -> Iterator[pa.Table]:
+    """The body of one read task: stream its files and yield one block per packing unit.
+
+    A unit is ``opts.unit_size`` consecutive records of one file (or fewer, at the file's end or past
+    ``MAX_UNIT_BYTES``). Units are what packing works on and what resumption counts, so they depend
+    only on the data and the config. ``start`` resumes the first file at a unit boundary; that unit's
+    first ``skip_rows`` packed rows were already trained on and are dropped after packing.
+    """
     counts = Counts()
 
     def bad(where: str, msg: str) -> None:
@@ -183,23 +287,30 @@ def read_files(files: list[SourceFile], opts: ReadOptions, sink: StatsSink) -> I
             raise BadRecordError(f"{where}: {msg} (set data.on_bad_record: skip to skip and count such records)")
         counts.add("skipped_bad_bytes", 1, f"{where}: {msg}")
 
-    for file in files:
+    for k, file in enumerate(files):
         reader = READERS.get(file.format)
         if reader is None:
             raise BadRecordError(f"{file.url}: no reader for format {file.format!r}")
+        cursor = start if (k == 0 and start is not None) else Cursor()
         fs = _fs(file, opts.storage)
-        ids: list[int] = []
-        records: list[str] = []
-        for row, record in reader(fs, file, opts.text_fields[file.dataset_index], bad):
-            ids.append(make_sample_id(file.source_index, row))
-            records.append(record)
-            if len(ids) >= BLOCK_RECORDS:
-                counts.add("records_read", len(ids))
-                yield _block(ids, records, opts)
-                ids, records = [], []
-        if ids:
-            counts.add("records_read", len(ids))
-            yield _block(ids, records, opts)
+        unit: _Unit | None = None
+        pending_skip = skip_rows if (k == 0 and start is not None) else 0
+        end_row, end_byte = cursor.row, cursor.byte
+        for row, record, rec_start, rec_end in reader(fs, file, opts.text_fields[file.dataset_index], bad, cursor):
+            if unit is None:
+                unit = _Unit(file, [], [], rec_start, skip=pending_skip)
+                pending_skip = 0
+            unit.ids.append(make_sample_id(file.source_index, row))
+            unit.records.append(record)
+            unit.nbytes += len(record)
+            end_row, end_byte = row + 1, rec_end
+            if len(unit.ids) >= opts.unit_size or unit.nbytes >= MAX_UNIT_BYTES:
+                counts.add("records_read", len(unit.ids))
+                yield _unit_table(unit, end_row, end_byte, opts)
+                unit = None
+        if unit is not None:
+            counts.add("records_read", len(unit.ids))
+            yield _unit_table(unit, end_row, end_byte, opts)
         sink.send(counts)
         counts = Counts()
 
@@ -225,11 +336,13 @@ def group_files(files: list[SourceFile], parallelism: int) -> list[list[SourceFi
 class ShardDatasource(Datasource):
     """Ray Data source over a :class:`SourceTable`, reading files in a seeded order."""
 
-    def __init__(self, table: SourceTable, order: list[int], opts: ReadOptions, sink: StatsSink) -> None:
+    def __init__(self, table: SourceTable, order: list[int], opts: ReadOptions, sink: StatsSink,
+                 start: Cursor | None = None, skip_rows: int = 0) -> None:
         super().__init__()
         self._files = [table.files[i] for i in order]
         self._opts = opts
         self._sink = sink
+        self._start, self._skip = start, skip_rows
 
     def get_name(self) -> str:
         return "ReadShards"
@@ -247,9 +360,10 @@ class ShardDatasource(Datasource):
                 exec_stats=None,
             )
             opts, sink = self._opts, self._sink
+            start, skip = (self._start, self._skip) if group[0] is self._files[0] else (None, 0)
 
-            def read_fn(group=group, opts=opts, sink=sink) -> Iterator[pa.Table]:
-                return read_files(group, opts, sink)
+            def read_fn(group=group, opts=opts, sink=sink, start=start, skip=skip) -> Iterator[pa.Table]:
+                return read_files(group, opts, sink, start, skip)
 
             tasks.append(ReadTask(read_fn, meta, schema=SCHEMA, per_task_row_limit=per_task_row_limit))
         return tasks
@@ -257,6 +371,6 @@ class ShardDatasource(Datasource):
 
 def read_all_records(table: SourceTable, opts: ReadOptions) -> Iterator[tuple[int, str]]:
     """Every ``(sample_id, record)`` of a table in file order, without Ray (tests and tools)."""
-    for block in read_files(list(table.files), opts, StatsSink(None)):
+    for block in read_files(list(table.files), opts, StatsSink()):
         yield from zip(block.column("sample_id").to_pylist(), block.column("record").to_pylist(), strict=True)
 

@@ -13,14 +13,15 @@ Strategies (``data.packing``):
 
 Samples longer than ``sequence_len`` (bfd, none) are truncated or dropped per ``data.oversize``,
 counted either way. ``position_ids`` restart at 0 at every sample's first token in the row.
-Rows of each buffer are shuffled with a seed derived from ``data.shuffle_seed`` and the buffer's
-first sample id, so the order is the same run after run.
+Packing works on *units*: ``pack_buffer_size`` consecutive records of one file, cut by the read
+tasks. A unit's rows depend only on its records and the config, and are shuffled with a seed from
+``data.shuffle_seed``, the epoch and the unit id, so the stream is the same run after run.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,14 +31,22 @@ from pipelines.sources import SourceTable
 from pipelines.stats import Counts, StatsSink
 from pipelines.tokenize import IGNORE_INDEX, list_array
 
-PACKED_SCHEMA = pa.schema(
-    [
-        ("input_ids", pa.list_(pa.int32())),
-        ("labels", pa.list_(pa.int32())),
-        ("position_ids", pa.list_(pa.int32())),
-        ("sample_ids", pa.list_(pa.int64())),
-    ]
-)
+ROW_FIELDS = [
+    ("input_ids", pa.list_(pa.int32())),
+    ("labels", pa.list_(pa.int32())),
+    ("position_ids", pa.list_(pa.int32())),
+    ("sample_ids", pa.list_(pa.int64())),
+]
+# Where each row sits in its packing unit: what resumption needs (pipelines/resume.py).
+ROW_UNIT_FIELDS = [
+    ("unit_id", pa.int64()),
+    ("unit_start_byte", pa.int64()),
+    ("unit_end_row", pa.int64()),
+    ("unit_end_byte", pa.int64()),
+    ("unit_row", pa.int32()),  # index of this row among the unit's packed rows
+    ("unit_rows", pa.int32()),  # packed rows the unit produced
+]
+PACKED_SCHEMA = pa.schema(ROW_FIELDS + ROW_UNIT_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,7 @@ class PackOptions:
     sequence_len: int
     oversize: str = "truncate"  # truncate | drop
     shuffle_seed: int = 42
+    epoch: int = 0
 
 
 def best_fit_decreasing(lengths: list[int] | np.ndarray, capacity: int) -> list[list[int]]:
@@ -87,8 +97,13 @@ class Samples:
 
     @classmethod
     def from_table(cls, table: pa.Table) -> Samples:
+        """Samples of a tokenized table; empty rows (skipped samples) are left out."""
         sid = table.column("sample_id").to_numpy()
-        return cls(sid, _split_lists(table.column("input_ids")), _split_lists(table.column("labels")))
+        ids, labels = _split_lists(table.column("input_ids")), _split_lists(table.column("labels"))
+        keep = [i for i, x in enumerate(ids) if len(x)]
+        if len(keep) < len(ids):
+            return cls(sid[keep], [ids[i] for i in keep], [labels[i] for i in keep])
+        return cls(sid, ids, labels)
 
 
 def _split_lists(col: pa.ChunkedArray) -> list[np.ndarray]:
@@ -128,16 +143,13 @@ class Rows:
     positions: list[np.ndarray]
     sample_ids: list[np.ndarray]
 
-    def to_table(self) -> pa.Table:
-        return pa.Table.from_arrays(
-            [
-                list_array(self.ids),
-                list_array(self.labels),
-                list_array(self.positions),
-                list_array(self.sample_ids, pa.int64()),
-            ],
-            schema=PACKED_SCHEMA,
-        )
+    def to_arrays(self) -> list[pa.Array]:
+        return [
+            list_array(self.ids),
+            list_array(self.labels),
+            list_array(self.positions),
+            list_array(self.sample_ids, pa.int64()),
+        ]
 
 
 def rows_from_bins(s: Samples, bins: list[list[int]]) -> Rows:
@@ -201,8 +213,41 @@ def pack_samples(s: Samples, opts: PackOptions, counts: Counts, where: Callable[
     return rows_from_bins(s, bins)
 
 
+def split_units(batch: pa.Table) -> Iterator[pa.Table]:
+    """The units of a tokenized batch (contiguous runs of one ``unit_id``), each checked complete."""
+    uid = batch.column("unit_id").to_numpy()
+    bounds = [0, *(np.flatnonzero(np.diff(uid)) + 1).tolist(), len(uid)]
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        unit = batch.slice(a, b - a)
+        expected = unit.column("unit_records")[0].as_py()
+        if b - a != expected:
+            raise RuntimeError(
+                f"packing unit {uid[a]} arrived split ({b - a} of {expected} records in one batch); "
+                "units must reach packing whole (is a custom map between the stages re-batching?)"
+            )
+        yield unit
+
+
+def _unit_columns(unit: pa.Table, n_rows: int, skip: int) -> list[pa.Array]:
+    first = {name: unit.column(name)[0].as_py() for name in ("unit_id", "unit_start_byte", "unit_end_row", "unit_end_byte")}
+    k = n_rows - skip
+    return [
+        pa.array(np.full(k, first["unit_id"]), pa.int64()),
+        pa.array(np.full(k, first["unit_start_byte"]), pa.int64()),
+        pa.array(np.full(k, first["unit_end_row"]), pa.int64()),
+        pa.array(np.full(k, first["unit_end_byte"]), pa.int64()),
+        pa.array(np.arange(skip, n_rows), pa.int32()),
+        pa.array(np.full(k, n_rows), pa.int32()),
+    ]
+
+
 class Packer:
-    """``map_batches`` callable: one buffer of tokenized samples -> shuffled packed rows."""
+    """``map_batches`` callable: tokenized units -> shuffled packed rows, unit by unit.
+
+    Each unit is packed on its own and its rows shuffled with a seed from (``shuffle_seed``, epoch,
+    unit id), so a unit's rows are the same whatever else shares the batch; a resumed unit drops
+    its first ``unit_skip`` rows (already trained on).
+    """
 
     def __init__(self, opts: PackOptions, sink: StatsSink, table: SourceTable | None = None) -> None:
         self.opts, self.sink, self.table = opts, sink, table
@@ -210,15 +255,23 @@ class Packer:
     def _where(self, sample_id: int) -> str:
         return self.table.where(sample_id) if self.table else f"sample {sample_id}"
 
+    def pack_unit(self, unit: pa.Table, counts: Counts) -> pa.Table:
+        s = Samples.from_table(unit)
+        rows = pack_samples(s, self.opts, counts, self._where)
+        unit_id = unit.column("unit_id")[0].as_py()
+        rows = shuffle_rows(rows, self.opts.shuffle_seed + 1_000_003 * self.opts.epoch, unit_id)
+        skip = min(unit.column("unit_skip")[0].as_py(), len(rows.ids))
+        kept = Rows(*[part[skip:] for part in (rows.ids, rows.labels, rows.positions, rows.sample_ids)])
+        counts.add("rows", len(kept.ids))
+        counts.add("row_tokens", sum(len(r) for r in kept.ids))
+        counts.add("row_capacity", len(kept.ids) * self.opts.sequence_len)
+        if skip:
+            counts.add("resume_skipped_rows", skip)
+        base = kept.to_arrays()
+        return pa.Table.from_arrays(base + _unit_columns(unit, len(rows.ids), skip), schema=PACKED_SCHEMA)
+
     def __call__(self, batch: pa.Table) -> pa.Table:
         counts = Counts()
-        s = Samples.from_table(batch)
-        rows = pack_samples(s, self.opts, counts, self._where)
-        if len(s.sample_ids):
-            rows = shuffle_rows(rows, self.opts.shuffle_seed, int(s.sample_ids.min()))
-        n_tokens = sum(len(r) for r in rows.ids)
-        counts.add("rows", len(rows.ids))
-        counts.add("row_tokens", n_tokens)
-        counts.add("row_capacity", len(rows.ids) * self.opts.sequence_len)
+        tables = [self.pack_unit(unit, counts) for unit in split_units(batch)] if batch.num_rows else []
         self.sink.send(counts)
-        return rows.to_table()
+        return pa.concat_tables(tables) if tables else PACKED_SCHEMA.empty_table()

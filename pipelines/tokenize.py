@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipelines.config import DataConfig, ModelConfig
-from pipelines.datasource import BadRecordError
+from pipelines.datasource import UNIT_FIELDS, BadRecordError
 from pipelines.formats import Formatted, RecordError, make_formatter
 from pipelines.sources import SourceTable, split_sample_id
 from pipelines.stats import Counts, StatsSink
@@ -127,41 +127,46 @@ class Tokenizer:
             idx = [i for i, f in enumerate(items) if f.add_special_tokens is flag]
             if not idx:
                 continue
-            encs = self.backend.encode_batch([items[i].text for i in idx], add_special_tokens=flag)
-            for i, enc in zip(idx, encs, strict=True):
-                out[i] = enc
+            step = self.data.tokenize.batch_size
+            for c in range(0, len(idx), step):
+                chunk = idx[c : c + step]
+                encs = self.backend.encode_batch([items[i].text for i in chunk], add_special_tokens=flag)
+                for i, enc in zip(chunk, encs, strict=True):
+                    out[i] = enc
         return out
 
     # -- one batch --------------------------------------------------------------------------
     def __call__(self, batch: pa.Table) -> pa.Table:
+        """Tokenize a batch. The row count is kept: a skipped sample becomes an empty row, so the
+        packing stage can check it received every record of a unit."""
         counts = Counts()
-        sids: list[int] = []
-        items: list[Formatted] = []
-        for sid, rec in zip(batch.column("sample_id").to_pylist(), batch.column("record").to_pylist(), strict=True):
-            f = self._format(sid, rec, counts)
-            if f is not None:
-                sids.append(sid)
-                items.append(f)
-        keep_ids, all_ids, all_labels, lengths = [], [], [], []
-        for sid, f, enc in zip(sids, items, self._encode(items), strict=True):
+        sids = batch.column("sample_id").to_pylist()
+        formatted = [self._format(sid, rec, counts) for sid, rec in zip(sids, batch.column("record").to_pylist(), strict=True)]
+        live = [i for i, f in enumerate(formatted) if f is not None]
+        empty = np.zeros(0, dtype=np.int32)
+        all_ids, all_labels = [empty] * len(sids), [empty] * len(sids)
+        n_kept = n_tokens = 0
+        for i, enc in zip(live, self._encode([formatted[i] for i in live]), strict=True):
+            f = formatted[i]
             ids = np.asarray(enc.ids, dtype=np.int32)
             labels, straddles = span_labels(ids, enc, f.spans)
             if straddles:
-                counts.add("label_span_straddles", straddles, self.table.where(sid))
+                counts.add("label_span_straddles", straddles, self.table.where(sids[i]))
             if f.add_eos:
                 ids = np.append(ids, np.int32(self.eos))
                 labels = np.append(labels, np.int32(self.eos if f.spans else IGNORE_INDEX))
             if not (labels != IGNORE_INDEX).any():
-                self._bad(sid, "no trained tokens (nothing to learn from this sample)", counts, "skipped_no_trained_tokens")
+                self._bad(sids[i], "no trained tokens (nothing to learn from this sample)", counts, "skipped_no_trained_tokens")
                 continue
-            keep_ids.append(sid)
-            all_ids.append(ids)
-            all_labels.append(labels)
-            lengths.append(len(ids))
-        counts.add("samples_tokenized", len(keep_ids))
-        counts.add("tokens", int(sum(lengths)))
+            all_ids[i], all_labels[i] = ids, labels
+            n_kept, n_tokens = n_kept + 1, n_tokens + len(ids)
+        counts.add("samples_tokenized", n_kept)
+        counts.add("tokens", n_tokens)
         self.sink.send(counts)
-        return tokenized_table(keep_ids, all_ids, all_labels)
+        out = tokenized_table(sids, all_ids, all_labels)
+        for name, _ in UNIT_FIELDS:
+            out = out.append_column(name, batch.column(name))
+        return out
 
 
 INT32 = pa.int32()

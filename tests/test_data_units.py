@@ -242,13 +242,45 @@ def test_formatter_output_shape():
     assert f == Formatted("abc", [(0, 3)], add_eos=True)
 
 
-def test_packed_table_schema():
+def _unit_batch(unit_id: int, rows: list[list[int]], skip: int = 0) -> pa.Table:
+    n = len(rows)
+    return pa.table({
+        "sample_id": pa.array(range(unit_id, unit_id + n), pa.int64()),
+        "input_ids": pa.array(rows, pa.list_(pa.int32())),
+        "labels": pa.array(rows, pa.list_(pa.int32())),
+        "unit_id": pa.array([unit_id] * n, pa.int64()),
+        "unit_start_byte": pa.array([0] * n, pa.int64()),
+        "unit_end_row": pa.array([unit_id + n] * n, pa.int64()),
+        "unit_end_byte": pa.array([-1] * n, pa.int64()),
+        "unit_records": pa.array([n] * n, pa.int32()),
+        "unit_skip": pa.array([skip] * n, pa.int32()),
+    })
+
+
+def test_packer_packs_each_unit_alone_and_skips_resumed_rows():
     from pipelines.packing import PACKED_SCHEMA, Packer
 
     sink = StatsSink()
-    batch = pa.table({"sample_id": pa.array([1, 2], pa.int64()),
-                      "input_ids": pa.array([[1, 2], [3]], pa.list_(pa.int32())),
-                      "labels": pa.array([[1, 2], [3]], pa.list_(pa.int32()))})
-    out = Packer(PackOptions("bfd", 4), sink)(batch)
-    assert out.schema == PACKED_SCHEMA and out.num_rows == 1
-    assert sink.local.counters["row_tokens"] == 3 and sink.local.counters["row_capacity"] == 4
+    packer = Packer(PackOptions("bfd", 4), sink)
+    # Two units in one batch: samples of different units never share a row.
+    batch = pa.concat_tables([_unit_batch(0, [[1, 2], [3]]), _unit_batch(100, [[5], [6, 7, 8]])])
+    out = packer(batch)
+    assert out.schema == PACKED_SCHEMA and out.num_rows == 2
+    rows = out.to_pylist()
+    assert sorted(tuple(r["sample_ids"]) for r in rows) == [(0, 1), (101, 100)]
+    assert all(r["unit_rows"] == 1 and r["unit_row"] == 0 for r in rows)
+    assert sink.local.counters["row_tokens"] == 7 and sink.local.counters["row_capacity"] == 8
+    # Resuming a unit drops the rows already trained on; the rest are the same rows as before.
+    unit = _unit_batch(0, [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10], [11, 12]])
+    full = Packer(PackOptions("bfd", 4), StatsSink())(unit).to_pylist()
+    resumed = Packer(PackOptions("bfd", 4), StatsSink())(_unit_batch(0, [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10], [11, 12]], skip=2)).to_pylist()
+    assert len(full) == 3 and resumed == full[2:]
+    assert [r["unit_row"] for r in resumed] == [2] and full[0]["unit_rows"] == 3
+
+
+def test_packer_refuses_a_split_unit():
+    from pipelines.packing import Packer
+
+    half = _unit_batch(0, [[1], [2], [3], [4]]).slice(0, 2)
+    with pytest.raises(RuntimeError, match="arrived split"):
+        Packer(PackOptions("bfd", 4), StatsSink())(half)
