@@ -91,7 +91,7 @@ class DatasetConfig(_Strict):
     path: str = Field(..., description="File, directory, glob or URL (s3://, gs://). Relative to the config file or cwd.")
     format: DatasetFormat = Field("auto", description="auto: from the file extension (or index.json for mds).")
     type: DatasetType = Field("alpaca", description="How a record becomes prompt/response text.")
-    weight: float = Field(1.0, gt=0, description="Mixing weight (several datasets are concatenated for now).")
+    weight: float = Field(1.0, gt=0, description="Mixing weight: share of tokens (data.mix_by) from this source.")
     # Field mapping where the data's column names differ.
     text_field: str = Field("text", description="completion: the text column.")
     instruction_field: str = Field("instruction", description="alpaca: the instruction column.")
@@ -174,6 +174,13 @@ class DataConfig(_Strict):
     tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
     read_num_cpus: float = Field(0.25, gt=0, description="CPUs reserved per read task (small so actors never starve reads).")
     read_tasks: int = Field(8, gt=0, description="Read tasks (each owns a contiguous group of whole files).")
+    mix_by: Literal["tokens", "samples", "none"] = Field(
+        "tokens", description="Several datasets: keep each one's share of tokens (or samples) at its weight; "
+        "none: one stream over all files, weights ignored."
+    )
+    mix_exhausted: Literal["stop", "cycle", "drop"] = Field(
+        "drop", description="A mixed source runs out: stop the epoch, cycle it (upsample), or drop it and go on."
+    )
     deterministic: bool = Field(
         True, description="Keep the stream in read order (needed for exact mid-epoch resume); false trades that for throughput."
     )

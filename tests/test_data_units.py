@@ -105,6 +105,16 @@ def test_group_files_keeps_order_and_balances():
     assert [[f.path for f in g] for g in groups] == [["f0", "f1"], ["f2", "f3", "f4"]]
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 1000), min_size=1, max_size=40), st.integers(1, 50))
+def test_group_files_gives_exactly_the_requested_groups(sizes, parallelism):
+    """Fewer read tasks than requested makes Ray split read blocks, which would cut units in two."""
+    files = [SourceFile(i, 0, f"f{i}", f"f{i}", "jsonl", size) for i, size in enumerate(sizes)]
+    groups = group_files(files, parallelism)
+    assert len(groups) == min(parallelism, len(files)) and all(groups)
+    assert [f for g in groups for f in g] == files
+
+
 def test_eval_split_is_deterministic_and_sized():
     ids = np.arange(20000, dtype=np.int64)
     held = in_eval_split(ids, 0.1)
