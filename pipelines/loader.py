@@ -102,6 +102,7 @@ class DataFeeder:
         self.max_items = prefetch_items
         self._rows: dict[int, Item] = {}  # items some rank has not fetched yet
         self._fetched: dict[int, set[int]] = {}
+        self._served: set[int] = set()  # items every rank has fetched
         self._states: dict[int, dict] = {}  # state after each item, until committed
         self._pending: list[LedgerEntry] = []  # steps fetched but not yet in the ledger
         self._cond = threading.Condition()
@@ -164,6 +165,8 @@ class DataFeeder:
         """Item ``index`` for ``rank`` (blocks until produced); ``None`` when the training data is over."""
         with self._cond:
             while index not in self._rows:
+                if index in self._served:
+                    raise KeyError(f"item {index} was already served to every rank")
                 if self._error is not None:
                     raise RuntimeError(f"data feeder failed: {self._error!r}") from self._error
                 if self._finished and index not in self._rows:
@@ -173,6 +176,7 @@ class DataFeeder:
             self._fetched[index].add(rank)
             if len(self._fetched[index]) == self.world:  # every rank has it: drop the rows
                 del self._rows[index], self._fetched[index]
+                self._served.add(index)
                 if item.kind == "step":
                     self._pending.append(LedgerEntry(item.epoch, item.step,
                                                      [[r["sample_ids"] for r in rows] for rows in item.ranks]))

@@ -6,8 +6,6 @@ feeder from real Ray Train workers.
 
 from __future__ import annotations
 
-import time
-
 import ray
 from conftest import make_config, write_jsonl
 
@@ -27,10 +25,10 @@ def _config(tmp_path, seed=7, **data):
     return make_config([{"path": str(d), "type": "completion"}], sequence_len=128, shuffle_seed=seed, **data)
 
 
-def drive(feeder, world: int, start: int = 0, max_steps: int | None = None):
+def drive(feeder, world: int, start: int = 0, max_steps: int | None = None, clients=None):
     """Fetch items like `world` ranks would; returns (per-step rank rows, index of the last item taken)."""
-    clients = [FeederClient(feeder, r, start) for r in range(world)]
-    steps, last = [], start - 1
+    clients = clients or [FeederClient(feeder, r, start) for r in range(world)]
+    steps, last = [], clients[0].index - 1
     while max_steps is None or len(steps) < max_steps:
         items = [c.next() for c in clients]
         if items[0] is None:
@@ -94,14 +92,13 @@ def test_restore_forgets_uncommitted_steps_in_the_ledger(tmp_path, ray_local):
     cfg = _config(tmp_path)
     root = str(tmp_path / "ledger")
     feeder = start_feeder(cfg, 2, 3, None, root)
-    steps, last = drive(feeder, 2, max_steps=10)
+    clients = [FeederClient(feeder, r) for r in range(2)]  # one client per rank for the whole run
+    steps, last = drive(feeder, 2, max_steps=10, clients=clients)
     state = ray.get(feeder.commit.remote(last))  # checkpoint at step 10
-    more, last = drive(feeder, 2, start=last + 1, max_steps=5)
+    more, last = drive(feeder, 2, max_steps=5, clients=clients)
     ray.get(feeder.commit.remote(last))  # ledger flushed to step 15, then the checkpoint fails
     ray.kill(feeder)
     assert [e.step for e in Ledger(pafs.LocalFileSystem(), root).entries()][-1] == 15
-    start_feeder(cfg, 2, 3, state, root)  # restore from step 10
-    deadline = time.time() + 30
-    while time.time() < deadline and Ledger(pafs.LocalFileSystem(), root).entries()[-1].step != 10:
-        time.sleep(0.2)
+    restored = start_feeder(cfg, 2, 3, state, root)  # restore from step 10
+    ray.get(restored.report.remote())  # returns once the feeder is up (it trims the ledger first)
     assert [e.step for e in Ledger(pafs.LocalFileSystem(), root).entries()] == list(range(1, 11))
