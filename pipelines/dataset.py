@@ -126,6 +126,7 @@ def build_dataset(
     """
     datasets_for_split(cfg, split)  # a clear error for a split with no sources, before listing
     table = resolve_sources(cfg, split)
+    check_pretokenized(cfg, table)
     sink = StatsSink(new_stats_actor())
     order = ordered_files(cfg, table, epoch, datasets)
     first, cursor, skip = _start(start)
@@ -164,6 +165,7 @@ def iter_packed_local(cfg: Config, split: str = "train", sink: StatsSink | None 
     For debugging a config in a notebook and for tests; training uses :func:`build_dataset`.
     """
     table = resolve_sources(cfg, split)
+    check_pretokenized(cfg, table)
     sink = sink or StatsSink()
     first, cursor, skip = _start(start)
     files = [table.files[i] for i in ordered_files(cfg, table, epoch)[first:]]
@@ -171,6 +173,14 @@ def iter_packed_local(cfg: Config, split: str = "train", sink: StatsSink | None 
     packer = Packer(_pack_options(cfg, epoch), sink, table)
     for block in read_files(files, _read_options(cfg, table, split), sink, cursor, skip):
         yield packer(tokenizer(block))
+
+
+def check_pretokenized(cfg: Config, table: SourceTable) -> None:
+    """Refuse an MDS set tokenized with another tokenizer (see :func:`pipelines.mds.check_tokenized_sources`)."""
+    if any(f.format == "mds" for f in table.files):
+        from pipelines.mds import check_tokenized_sources
+
+        check_tokenized_sources(cfg, table)
 
 
 def _pack(batch: Any, packer: Packer) -> Any:

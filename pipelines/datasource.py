@@ -17,6 +17,9 @@ that is not an array. Bad JSON *content* is reported by the tokenizer actors, na
 
 from __future__ import annotations
 
+import bisect
+import importlib
+import itertools
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -218,6 +221,17 @@ def register_reader(fmt: str, reader: Callable[..., Iterator[Record]]) -> None:
     READERS[fmt] = reader
 
 
+# Readers in their own modules, imported on first use in whichever process reads (a Ray worker
+# unpickling a read task has not imported them).
+LAZY_READERS = {"mds": "pipelines.mds"}
+
+
+def _lazy_reader(fmt: str) -> Callable[..., Iterator[Record]] | None:
+    if fmt in LAZY_READERS:
+        importlib.import_module(LAZY_READERS[fmt])  # calls register_reader
+    return READERS.get(fmt)
+
+
 def in_eval_split(sample_ids: np.ndarray, fraction: float) -> np.ndarray:
     """Deterministic held-out membership: splitmix64(sample_id) / 2**64 < fraction."""
     x = sample_ids.astype(np.uint64)
@@ -288,7 +302,7 @@ def read_files(files: list[SourceFile], opts: ReadOptions, sink: StatsSink, star
         counts.add("skipped_bad_bytes", 1, f"{where}: {msg}")
 
     for k, file in enumerate(files):
-        reader = READERS.get(file.format)
+        reader = READERS.get(file.format) or _lazy_reader(file.format)
         if reader is None:
             raise BadRecordError(f"{file.url}: no reader for format {file.format!r}")
         cursor = start if (k == 0 and start is not None) else Cursor()
@@ -316,21 +330,22 @@ def read_files(files: list[SourceFile], opts: ReadOptions, sink: StatsSink, star
 
 
 def group_files(files: list[SourceFile], parallelism: int) -> list[list[SourceFile]]:
-    """Split files into at most ``parallelism`` contiguous groups of similar total size.
+    """Split files into exactly ``min(parallelism, len(files))`` contiguous groups of similar size.
 
-    Example: sizes [5, 1, 1, 1, 4] into 2 groups: a new group starts once the running total reaches
-    half of 12, giving [[5, 1], [1, 1, 4]]. Order is kept, so read order follows file order.
+    Exactly that many: Ray Data splits the output blocks of a read that returns fewer tasks than it
+    asked for, and a split block would cut a packing unit in two. Example: sizes [5, 1, 1, 1, 4]
+    into 2 groups: cut where the running total first reaches half of 12 -> [[5, 1], [1, 1, 4]].
     """
     n = max(1, min(parallelism, len(files)))
-    total = sum(max(f.size, 1) for f in files)
-    groups: list[list[SourceFile]] = [[]]
-    acc = 0
-    for f in files:
-        if groups[-1] and acc >= total * len(groups) / n and len(groups) < n:
-            groups.append([])
-        groups[-1].append(f)
-        acc += max(f.size, 1)
-    return groups
+    cum = list(itertools.accumulate(max(f.size, 1) for f in files))
+    cuts, prev = [], 0
+    for g in range(1, n):
+        i = bisect.bisect_left(cum, cum[-1] * g / n) + 1
+        i = min(max(i, prev + 1), len(files) - (n - g))
+        cuts.append(i)
+        prev = i
+    bounds = [0, *cuts, len(files)]
+    return [files[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 class ShardDatasource(Datasource):

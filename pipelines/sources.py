@@ -8,7 +8,8 @@ Sample ids are stable from run to run::
     sample_id = (source_index << 40) | row
 
 ``source_index`` numbers the resolved files of all datasets in config order (sorted within a
-dataset) and ``row`` is the 0-based record index inside the file. With files
+dataset) and ``row`` is the 0-based record index inside the file. An MDS dataset directory resolves
+to its shards, in index.json order, so there ``row`` is the sample's index inside its shard. With files
 ``[a.jsonl, b.jsonl]``, row 7 of ``b.jsonl`` has id ``(1 << 40) | 7 = 1099511627783``.
 :func:`locate_sample` maps an id back to ``(path, row)``.
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import pyarrow.fs as pafs
 
 from pipelines.config import Config, DatasetConfig
-from pipelines.storage import StorageOptions, filesystem_for, is_remote, to_url
+from pipelines.storage import StorageOptions, filesystem_for, is_remote, to_url, with_retries
 
 ROW_BITS = 40
 ROW_MASK = (1 << ROW_BITS) - 1
@@ -54,6 +55,7 @@ class SourceFile:
     url: str  # what the user sees: with scheme for object stores
     format: str  # jsonl | json | parquet | text | mds
     size: int
+    meta: str = ""  # format-specific JSON: for mds, the shard's index.json entry (see pipelines.mds)
 
 
 def make_sample_id(source_index: int, row: int) -> int:
@@ -107,8 +109,13 @@ def _expand(fs: pafs.FileSystem, path: str, ds: DatasetConfig) -> list[pafs.File
         return [i for i in _list_dir(fs, root) if fnmatch.fnmatch(i.path, path)]
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.NotFound:
+        bucket = path.split("/", 1)[0]
+        if not isinstance(fs, pafs.LocalFileSystem) and fs.get_file_info(bucket).type == pafs.FileType.NotFound:
+            raise SourceError(f"dataset path {ds.path!r}: bucket {bucket!r} does not exist")
         raise SourceError(f"dataset path {ds.path!r} does not exist (looked for {path!r})")
     if info.type == pafs.FileType.File:
+        if ds.format == "mds" and os.path.basename(path) == "index.json":  # path: .../index.json
+            return [pafs.FileInfo(os.path.dirname(path), type=pafs.FileType.Directory)]
         return [info]
     index = fs.get_file_info(path.rstrip("/") + "/index.json")
     if ds.format == "mds" or (ds.format == "auto" and index.type == pafs.FileType.File):
@@ -116,8 +123,11 @@ def _expand(fs: pafs.FileSystem, path: str, ds: DatasetConfig) -> list[pafs.File
     return [i for i in _list_dir(fs, path) if _detect_format(i.path, ds.format) or ds.format != "auto"]
 
 
-def resolve_dataset(ds: DatasetConfig, base_dir: str, opts: StorageOptions) -> list[tuple[str, str, str, int]]:
-    """Files of one dataset as ``(fs_path, url, format, size)``, sorted by path."""
+def resolve_dataset(ds: DatasetConfig, base_dir: str, opts: StorageOptions) -> list[tuple[str, str, str, int, str]]:
+    """Files of one dataset as ``(fs_path, url, format, size, meta)``, sorted by path.
+
+    An MDS directory becomes one entry per shard, in index.json order (see :func:`pipelines.mds.expand_mds`).
+    """
     raw = ds.path
     if raw.startswith("demo://"):
         from pipelines.demo import resolve_demo_path  # the project's own demo data, made on first use
@@ -125,21 +135,24 @@ def resolve_dataset(ds: DatasetConfig, base_dir: str, opts: StorageOptions) -> l
         raw = resolve_demo_path(raw)
     location = _local_base(raw, base_dir)
     fs, inner = filesystem_for(location, opts)
-    infos = sorted(_expand(fs, inner, ds), key=lambda i: i.path)
+    infos = sorted(with_retries(lambda: _expand(fs, inner, ds), f"dataset path {ds.path!r}", opts, location),
+                   key=lambda i: i.path)
     if not infos:
         raise SourceError(f"dataset path {ds.path!r} matched no data files")
     out = []
     for info in infos:
         if info.type == pafs.FileType.Directory:
-            fmt = "mds"
-        else:
-            fmt = _detect_format(info.path, ds.format)
-            if fmt is None:
-                raise SourceError(
-                    f"dataset path {ds.path!r}: cannot tell the format of {info.path!r} from its extension; "
-                    "set format: jsonl | json | parquet | text | mds"
-                )
-        out.append((info.path, to_url(info.path, location), fmt, int(info.size or 0)))
+            from pipelines.mds import expand_mds  # MDS: index.json lists the shards
+
+            out.extend(expand_mds(fs, info.path, to_url(info.path, location), ds, opts))
+            continue
+        fmt = _detect_format(info.path, ds.format)
+        if fmt is None:
+            raise SourceError(
+                f"dataset path {ds.path!r}: cannot tell the format of {info.path!r} from its extension; "
+                "set format: jsonl | json | parquet | text | mds"
+            )
+        out.append((info.path, to_url(info.path, location), fmt, int(info.size or 0), ""))
     return out
 
 
@@ -184,8 +197,8 @@ def resolve_sources(cfg: Config, split: str = "train") -> SourceTable:
     datasets = datasets_for_split(cfg, split)
     files: list[SourceFile] = []
     for d_idx, ds in enumerate(datasets):
-        for path, url, fmt, size in resolve_dataset(ds, cfg.base_dir, opts):
-            files.append(SourceFile(len(files), d_idx, path, url, fmt, size))
+        for path, url, fmt, size, meta in resolve_dataset(ds, cfg.base_dir, opts):
+            files.append(SourceFile(len(files), d_idx, path, url, fmt, size, meta))
     if len(files) >= MAX_SOURCES:
         raise SourceError(f"{len(files)} files is more than the {MAX_SOURCES} a sample id can address")
     return SourceTable(tuple(files), tuple(datasets), opts)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -76,8 +77,19 @@ def span_labels(ids: np.ndarray, enc: Any, spans: list[tuple[int, int]]) -> tupl
     return labels, straddles
 
 
+@dataclass
+class Pretokenized:
+    """A record that arrived with token ids: used as is (labels default to the ids: all trained)."""
+
+    ids: np.ndarray
+    labels: np.ndarray
+
+
 class Tokenizer:
     """Callable actor class for ``map_batches``: records -> token ids and labels.
+
+    Records that already hold ``input_ids`` (pre-tokenized MDS such as llm-foundry's concat-tokens
+    layout or ``ray_jobs/convert.py --tokenize`` output) skip formatting and tokenization.
 
     Constructor arguments are small: configs, the file table (for error locations) and the stats sink.
     """
@@ -95,23 +107,50 @@ class Tokenizer:
         self.backend.no_truncation()
         self.backend.no_padding()
         self.eos = self.hf.eos_token_id
+        self.vocab_size, self.tokenizer_name = len(self.hf), model.tokenizer_path
         self.formatters = [make_formatter(ds, data, self.hf) for ds in table.datasets]
         if data.add_eos and self.eos is None and any(ds.type in ("completion", "alpaca") for ds in table.datasets):
             raise ValueError(f"tokenizer {model.tokenizer_path!r} has no eos_token; set data.add_eos: false")
 
     # -- one record -------------------------------------------------------------------------
-    def _format(self, sample_id: int, record: str, counts: Counts) -> Formatted | None:
+    def _format(self, sample_id: int, record: str, counts: Counts) -> Formatted | Pretokenized | None:
         try:
             rec = json.loads(record)
         except json.JSONDecodeError as err:
             return self._bad(sample_id, f"malformed JSON ({err.msg} at column {err.colno})", counts)
         if not isinstance(rec, dict):
             return self._bad(sample_id, f"a record should be a JSON object, got {type(rec).__name__}", counts)
+        if "input_ids" in rec:
+            return self._pretokenized(sample_id, rec, counts)
         source, _ = split_sample_id(sample_id)
         try:
             return self.formatters[self.table.files[source].dataset_index](rec)
         except RecordError as err:
             return self._bad(sample_id, str(err), counts)
+
+    def _pretokenized(self, sample_id: int, rec: dict[str, Any], counts: Counts) -> Pretokenized | None:
+        """Check a record that already holds ``input_ids`` (and maybe ``labels``); no template, no EOS.
+
+        Which tokenizer made a converted set is checked once at build time (pipelines.mds); here every
+        id must at least be in this tokenizer's vocabulary, and labels must align with the ids.
+        """
+        try:
+            ids = np.asarray(rec["input_ids"], dtype=np.int64)
+            labels = np.asarray(rec["labels"], dtype=np.int64) if rec.get("labels") is not None else ids
+        except (TypeError, ValueError, OverflowError):
+            return self._bad(sample_id, "input_ids/labels should be lists of integers", counts)
+        if ids.ndim != 1 or len(ids) == 0:
+            return self._bad(sample_id, "input_ids is empty or not a flat list", counts)
+        if labels.shape != ids.shape:
+            return self._bad(sample_id, f"labels has {labels.size} entries but input_ids {len(ids)} "
+                             f"(labels must align with input_ids, {IGNORE_INDEX} where no loss is taken)", counts)
+        bad_ids = ids[(ids < 0) | (ids >= self.vocab_size)]
+        bad_labels = labels[((labels < 0) & (labels != IGNORE_INDEX)) | (labels >= self.vocab_size)]
+        if len(bad_ids) or len(bad_labels):
+            value = int((bad_ids if len(bad_ids) else bad_labels)[0])
+            return self._bad(sample_id, f"token id {value} is outside the vocabulary of tokenizer {self.tokenizer_name!r} "
+                             f"(0..{self.vocab_size - 1}); was it tokenized with another tokenizer?", counts)
+        return Pretokenized(ids.astype(np.int32), labels.astype(np.int32))
 
     def _bad(self, sample_id: int, msg: str, counts: Counts, key: str = "skipped_bad_record") -> None:
         where = self.table.where(sample_id)
@@ -142,10 +181,19 @@ class Tokenizer:
         counts = Counts()
         sids = batch.column("sample_id").to_pylist()
         formatted = [self._format(sid, rec, counts) for sid, rec in zip(sids, batch.column("record").to_pylist(), strict=True)]
-        live = [i for i, f in enumerate(formatted) if f is not None]
+        live = [i for i, f in enumerate(formatted) if isinstance(f, Formatted)]
         empty = np.zeros(0, dtype=np.int32)
         all_ids, all_labels = [empty] * len(sids), [empty] * len(sids)
         n_kept = n_tokens = 0
+        for i, f in enumerate(formatted):  # already tokenized (e.g. MDS made by convert.py --tokenize)
+            if not isinstance(f, Pretokenized):
+                continue
+            if not (f.labels != IGNORE_INDEX).any():
+                self._bad(sids[i], "no trained tokens (nothing to learn from this sample)", counts, "skipped_no_trained_tokens")
+                continue
+            all_ids[i], all_labels[i] = f.ids, f.labels
+            n_kept, n_tokens = n_kept + 1, n_tokens + len(f.ids)
+            counts.add("samples_pretokenized")
         for i, enc in zip(live, self._encode([formatted[i] for i in live]), strict=True):
             f = formatted[i]
             ids = np.asarray(enc.ids, dtype=np.int32)

@@ -42,6 +42,20 @@ def make_config(datasets: list[dict], tokenizer: Path | str = GPT2, **data) -> o
     return config_from_dict({"model": {"tokenizer": str(tokenizer)}, "data": {"datasets": datasets, **data}})
 
 
+def load_ray_job(name: str):
+    """A script of ray_jobs/ as a module (they are scripts, not part of the package), e.g. ``convert``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"ray_jobs_{name}", ROOT / "ray_jobs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def write_jsonl(path: Path, records: list) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     return path
+
+
+# A real S3 endpoint on loopback (moto_server), session-scoped; see tests/conftest_s3.py.
+from conftest_s3 import moto_s3  # noqa: E402, F401

@@ -1,0 +1,313 @@
+"""MDS read and conversion benchmark: ``build_dataset`` vs mosaic's own loader, local disk and S3.
+
+    python benchmarks/mds_read.py            # >= 50 MB of real text (uncompressed), zstd shards
+    python benchmarks/mds_read.py --quick    # ~2 MB: a smoke run of every measurement
+
+Data: the Alpaca and LIMA records of ../shared/data (alpaca format), replicated to the target size,
+written once as JSONL files and as MDS shards (mosaic's ``MDSWriter``, zstd), the shards also uploaded
+to a ``moto_server`` on 127.0.0.1 (started and stopped here). Each measurement runs in its own child
+process (``--child NAME``) so imports, ``ray.init`` and memory never leak between systems:
+
+* ``ours_local`` / ``ours_s3``: ``build_dataset`` (read + decode + format + tokenize + concat-pack to
+  2048 tokens) iterated to the end; Ray start-up is reported separately (``init_s``).
+* ``mosaic_local`` / ``mosaic_s3``: ``StreamingDataset`` + ``DataLoader(num_workers=2)``, each sample
+  formatted with the same alpaca template and tokenized in ``__getitem__`` (no label masks: less
+  work than ours), concatenated into 2048-token rows in the main process.
+* ``convert``: ``ray_jobs/convert.py`` (raw mode, 2 write tasks) JSONL -> MDS, vs ``mdswriter``: a
+  plain loop reading the same JSONL and calling ``MDSWriter.write``.
+
+Ratios > 1 mean ours is faster. Every system sees the same cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("PIPELINES_SHARED_DATA", ROOT.parent / "shared" / "data"))
+SOURCES = [SHARED / "sft" / "alpaca_en_demo.json", SHARED / "sft" / "lima.json"]
+GPT2 = SHARED / "tokenizers" / "gpt2"
+SEQ_LEN = 2048
+COLUMNS = {"instruction": "str", "input": "str", "output": "str", "history": "json"}
+BUCKET = "mds-bench"
+TAG = "MDS_BENCH "
+ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+       "RAY_USAGE_STATS_ENABLED": "0", "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false",
+       "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench-secret", "AWS_REGION": "us-east-1"}
+
+
+# --------------------------------------------------------------------------- data
+
+
+def records() -> list[dict[str, Any]]:
+    """The real alpaca-format records, with the columns the MDS set holds."""
+    out = []
+    for path in SOURCES:
+        for r in json.loads(path.read_text()):
+            out.append({"instruction": r["instruction"], "input": r.get("input") or "", "output": r["output"],
+                        "history": r.get("history") or None})
+    return out
+
+
+def prepare(work: Path, target_mb: float, shard_bytes: int, files: int) -> dict[str, Any]:
+    """JSONL files and zstd MDS shards of the records replicated to ``target_mb`` (uncompressed)."""
+    from streaming import MDSWriter
+
+    base = records()
+    one = sum(len(json.dumps(r)) for r in base)
+    copies = max(1, int(target_mb * 1e6 / one + 0.999))
+    rows = [r for _ in range(copies) for r in base]
+    jsonl = work / "jsonl"
+    mds = work / "mds"
+    shutil.rmtree(work, ignore_errors=True)
+    jsonl.mkdir(parents=True)
+    per = -(-len(rows) // files)
+    for k in range(files):
+        part = rows[k * per : (k + 1) * per]
+        (jsonl / f"part-{k:03d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    with MDSWriter(out=str(mds), columns=COLUMNS, compression="zstd", hashes=["xxh64"], size_limit=shard_bytes) as w:
+        for r in rows:
+            w.write(r)
+    index = json.loads((mds / "index.json").read_text())
+    raw = sum(s["raw_data"]["bytes"] for s in index["shards"])
+    zipped = sum(s["zip_data"]["bytes"] for s in index["shards"])
+    return {"samples": len(rows), "copies": copies, "shards": len(index["shards"]), "raw_mb": raw / 1e6,
+            "zstd_mb": zipped / 1e6, "jsonl_files": files}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_moto() -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    exe = Path(sys.executable).with_name("moto_server")
+    proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    for _ in range(300):
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("moto_server did not start")
+
+
+def upload(local: Path, endpoint: str, dest: str) -> str:
+    import pyarrow.fs as pafs
+
+    fs = pafs.S3FileSystem(endpoint_override=endpoint.split("://")[1], scheme="http", region="us-east-1",
+                           access_key=ENV["AWS_ACCESS_KEY_ID"], secret_key=ENV["AWS_SECRET_ACCESS_KEY"],
+                           allow_bucket_creation=True)
+    fs.create_dir(dest.split("/")[0])
+    pafs.copy_files(str(local), dest, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+    return f"s3://{dest}"
+
+
+# --------------------------------------------------------------------------- systems (child processes)
+
+
+def run_ours(p: dict[str, Any]) -> dict[str, Any]:
+    import ray
+
+    sys.path.insert(0, str(ROOT))
+    from pipelines.config import config_from_dict
+    from pipelines.dataset import build_dataset
+
+    t0 = time.perf_counter()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init = time.perf_counter() - t0
+    cfg = config_from_dict({
+        "model": {"tokenizer": str(GPT2)},
+        "data": {"datasets": [{"path": p["path"], "format": "mds", "type": "alpaca"}], "sequence_len": SEQ_LEN,
+                 "packing": "concat", "read_tasks": 2, "tokenize": {"num_actors": 2, "num_cpus": 0.75}},
+        "storage": {"endpoint_url": p.get("endpoint"), "retries": 5},
+    })
+    t = time.perf_counter()
+    rows = tokens = 0
+    first = None
+    for batch in build_dataset(cfg).iter_batches(batch_size=None, batch_format="pyarrow"):
+        first = first or time.perf_counter() - t
+        rows += batch.num_rows
+        tokens += sum(len(x) for x in batch.column("input_ids").to_pylist())
+    total = time.perf_counter() - t
+    ray.shutdown()
+    return {"init_s": init, "ttfb_s": first, "total_s": total, "rows": rows, "tokens": tokens}
+
+
+class _TokenizingDataset:
+    """mosaic's StreamingDataset, formatting and tokenizing each sample in ``__getitem__``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        from streaming import StreamingDataset
+        from transformers import AutoTokenizer
+
+        from pipelines.config import DataConfig, DatasetConfig
+        from pipelines.formats import make_formatter
+
+        self.inner = StreamingDataset(**kwargs)
+        self.tok = AutoTokenizer.from_pretrained(str(GPT2))
+        ds = DatasetConfig(path="x", type="alpaca")
+        self.fmt = make_formatter(ds, DataConfig(datasets=[ds]), self.tok)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, idx: int) -> list[int]:
+        sample = self.inner[idx]
+        f = self.fmt({k: v for k, v in sample.items() if v is not None})
+        return self.tok(f.text, add_special_tokens=True)["input_ids"] + [self.tok.eos_token_id]
+
+
+def run_mosaic(p: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
+    from streaming.base.util import clean_stale_shared_memory
+    from torch.utils.data import DataLoader
+
+    sys.path.insert(0, str(ROOT))
+    clean_stale_shared_memory()
+    kwargs = {"local": p["local"], "shuffle": False, "batch_size": 64}
+    if p.get("remote"):
+        os.environ["S3_ENDPOINT_URL"] = p["endpoint"]
+        kwargs["remote"] = p["remote"]
+    t = time.perf_counter()
+    ds = _TokenizingDataset(**kwargs)
+    loader = DataLoader(ds, batch_size=64, num_workers=2, collate_fn=list, persistent_workers=False)
+    rows = tokens = 0
+    first = None
+    buf: list[np.ndarray] = []
+    n_buf = 0
+    for batch in loader:  # concat-pack into SEQ_LEN rows in the main process
+        first = first or time.perf_counter() - t
+        for ids in batch:
+            buf.append(np.asarray(ids, dtype=np.int32))
+            n_buf += len(ids)
+        if n_buf >= SEQ_LEN:
+            flat = np.concatenate(buf)
+            k = len(flat) // SEQ_LEN * SEQ_LEN
+            rows += k // SEQ_LEN
+            tokens += k
+            buf, n_buf = [flat[k:]], len(flat) - k
+    if n_buf:
+        rows, tokens = rows + 1, tokens + n_buf
+    return {"init_s": 0.0, "ttfb_s": first, "total_s": time.perf_counter() - t, "rows": rows, "tokens": tokens}
+
+
+def run_convert(p: dict[str, Any]) -> dict[str, Any]:
+    t = time.perf_counter()
+    out = subprocess.run([sys.executable, str(ROOT / "ray_jobs" / "convert.py"), "--input", p["jsonl"], "--output",
+                          p["out"], "--write-tasks", "2", "--size-limit", str(p["shard_bytes"]), "--hashes", "xxh64"],
+                         capture_output=True, text=True, env={**os.environ, "RAY_ADDRESS": ""})
+    wall = time.perf_counter() - t
+    if out.returncode:
+        raise RuntimeError(out.stderr[-2000:])
+    result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
+    # convert.py's own "seconds" starts after ray.init: the conversion itself.
+    return {"total_s": result["seconds"], "wall_s": wall, "rows": result["rows"], "shards": result["shards"]}
+
+
+def run_mdswriter(p: dict[str, Any]) -> dict[str, Any]:
+    from streaming import MDSWriter
+
+    t = time.perf_counter()
+    rows = 0
+    with MDSWriter(out=p["out"], columns=COLUMNS, compression="zstd", hashes=["xxh64"],
+                   size_limit=p["shard_bytes"]) as w:
+        for path in sorted(Path(p["jsonl"]).glob("*.jsonl")):
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    w.write(json.loads(line))
+                    rows += 1
+    return {"total_s": time.perf_counter() - t, "rows": rows}
+
+
+SYSTEMS = {"ours": run_ours, "mosaic": run_mosaic, "convert": run_convert, "mdswriter": run_mdswriter}
+
+
+def child(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """Run one system in a fresh interpreter; its result is the line tagged ``TAG``."""
+    out = subprocess.run([sys.executable, __file__, "--child", name, json.dumps(params)], capture_output=True,
+                         text=True, env={**os.environ, **ENV})
+    for line in out.stdout.splitlines():
+        if line.startswith(TAG):
+            return json.loads(line[len(TAG):])
+    raise RuntimeError(f"{name} failed:\n{out.stderr[-3000:]}")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny data (~2 MB): check every measurement runs")
+    ap.add_argument("--mb", type=float, default=50.0, help="uncompressed size of the data")
+    ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "pipelines-mds-bench"))
+    ap.add_argument("--child", nargs=2, metavar=("NAME", "JSON"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(TAG + json.dumps(SYSTEMS[args.child[0]](json.loads(args.child[1]))), flush=True)
+        return 0
+    os.environ.update(ENV)
+    mb, shard_bytes, files = (2.0, 1 << 18, 4) if args.quick else (args.mb, 1 << 22, 16)
+    work = Path(args.work)
+    data = prepare(work, mb, shard_bytes, files)
+    print(f"data: {data['samples']} samples ({data['copies']} copies of Alpaca+LIMA), {data['raw_mb']:.1f} MB "
+          f"uncompressed, {data['zstd_mb']:.1f} MB zstd in {data['shards']} shards; {files} JSONL files", flush=True)
+    moto, endpoint = start_moto()
+    try:
+        remote = upload(work / "mds", endpoint, f"{BUCKET}/mds")
+        results = {
+            "ours_local": child("ours", {"path": str(work / "mds")}),
+            "mosaic_local": child("mosaic", {"local": str(work / "mds")}),
+            "ours_s3": child("ours", {"path": remote, "endpoint": endpoint}),
+            "mosaic_s3": child("mosaic", {"local": str(work / "cache-s3"), "remote": remote, "endpoint": endpoint}),
+            "convert": child("convert", {"jsonl": str(work / "jsonl"), "out": str(work / "converted"),
+                                         "shard_bytes": shard_bytes}),
+            "mdswriter": child("mdswriter", {"jsonl": str(work / "jsonl"), "out": str(work / "mdswriter"),
+                                             "shard_bytes": shard_bytes}),
+        }
+    finally:
+        moto.terminate()
+        moto.wait(10)
+    labels = {"ours_local": "build_dataset, local MDS", "mosaic_local": "mosaic StreamingDataset+DataLoader(2), local",
+              "ours_s3": "build_dataset, MDS on S3 (moto)", "mosaic_s3": "mosaic StreamingDataset+DataLoader(2), S3 (moto)",
+              "convert": "ray_jobs/convert.py JSONL -> MDS (2 tasks)", "mdswriter": "MDSWriter loop JSONL -> MDS"}
+    print("\n| system | total s | first batch s | start-up s | rows | tokens | Mtok/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, r in results.items():
+        startup = r.get("init_s", r.get("wall_s", r["total_s"]) - r["total_s"])
+        tokens = r.get("tokens")
+        print(f"| {labels[name]} | {r['total_s']:.2f} | " + (f"{r['ttfb_s']:.2f}" if r.get("ttfb_s") else "") +
+              f" | {startup:.2f} | {r['rows']} | {tokens or ''} | " +
+              (f"{tokens / r['total_s'] / 1e6:.3f}" if tokens else "") + " |")
+    summary: dict[str, Any] = {"data": data}
+    for where in ("local", "s3"):
+        a, b = results[f"ours_{where}"], results[f"mosaic_{where}"]
+        ratio = (a["tokens"] / a["total_s"]) / (b["tokens"] / b["total_s"])
+        same = a["tokens"] == b["tokens"]
+        summary[f"read_{where}_ratio"] = round(ratio, 3)
+        print(f"read {where:<5}: build_dataset / mosaic loader = {ratio:.2f}x tokens/s "
+              f"({'same' if same else 'DIFFERENT'} token count: {a['tokens']} vs {b['tokens']})")
+    conv = results["mdswriter"]["total_s"] / results["convert"]["total_s"]
+    conv_wall = results["mdswriter"]["total_s"] / results["convert"]["wall_s"]
+    summary.update(convert_ratio=round(conv, 3), convert_ratio_with_startup=round(conv_wall, 3))
+    print(f"convert: convert.py / MDSWriter loop = {conv:.2f}x rows/s ({conv_wall:.2f}x counting Ray start-up)")
+    print("RESULT " + json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""Convert JSONL / JSON / Parquet (local or s3:// / gs://) to MosaicML MDS shards, in parallel on Ray.
+
+Two modes:
+
+raw (default)
+    The records as they are, same columns. Encodings are chosen from the first records
+    (``--sample-records``): str, int64, float64 where every value fits, json otherwise; set any
+    with ``--columns name=encoding``. Row order follows the sorted input files.
+
+        python ray_jobs/convert.py --input 's3://bucket/raw/*.jsonl' --output s3://bucket/mds/raw
+
+--tokenize
+    Tokenized once with the config's tokenizer, dataset types and templates (``data.datasets``), so
+    training runs and epochs skip tokenization. Writes ``input_ids``, ``labels`` (ndarray:int32) and
+    ``source_sample_id`` (int64; pipelines.sources.locate_sample style id of the source record), plus
+    ``tokenized.json`` next to ``index.json``: tokenizer name and sha256 of its tokenizer.json,
+    dataset types/templates, sequence_len and the source paths. ``build_dataset`` reads such a set
+    like any MDS source (``format: mds``), skips tokenization, and refuses it if ``model.tokenizer``
+    is a different tokenizer.
+
+        python ray_jobs/convert.py --tokenize --config configs/sft.yaml --output s3://bucket/mds/sft-gpt2
+
+Object storage: endpoint and region from ``--endpoint-url`` / ``--region``, the config's ``storage:``
+section, or the AWS environment (``AWS_ENDPOINT_URL``, ``AWS_REGION``); credentials only from the
+environment / AWS config files. Shards: zstd by default, xxh64 hashes, 64 MiB per shard; each
+write task writes ``part-NNNNN/`` and one merged ``index.json`` is written last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # `python ray_jobs/convert.py` from a checkout without `pip install -e .`
+    sys.path.insert(0, str(REPO_ROOT))
+
+import pyarrow as pa  # noqa: E402
+import pyarrow.compute as pc  # noqa: E402
+
+from pipelines.config import Config, ConfigError, DatasetConfig, StorageConfig, load_config  # noqa: E402
+from pipelines.sources import SourceError, SourceFile, SourceTable, resolve_dataset, resolve_sources  # noqa: E402
+from pipelines.storage import StorageError, StorageOptions  # noqa: E402
+
+TOKENIZED_COLUMNS = {"input_ids": "ndarray:int32", "labels": "ndarray:int32", "source_sample_id": "int64"}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="convert.py", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--input", action="append", default=[], metavar="PATH",
+                   help="raw mode: file, directory, glob or s3:// / gs:// URL (repeatable)")
+    p.add_argument("--format", default="auto", choices=["auto", "jsonl", "json", "parquet"], help="raw mode: input format")
+    p.add_argument("--output", required=True, help="MDS directory to write (local path or s3:// / gs:// URL)")
+    p.add_argument("--tokenize", action="store_true", help="tokenize with --config's tokenizer and templates")
+    p.add_argument("--config", help="YAML config (required with --tokenize; its storage: section is used if given)")
+    p.add_argument("--split", default="train", choices=["train", "eval"], help="--tokenize: which datasets of the config")
+    p.add_argument("--columns", action="append", default=[], metavar="NAME=ENCODING",
+                   help="raw mode: MDS encoding of a column (str, int64, float64, json, ...), overriding inference")
+    p.add_argument("--sample-records", type=int, default=1000, help="raw mode: records used to choose encodings")
+    p.add_argument("--compression", default="zstd", help="shard compression (zstd, zstd:9, gz, none, ...)")
+    p.add_argument("--hashes", default="xxh64", help="comma-separated shard hashes (e.g. sha1,xxh64; none)")
+    p.add_argument("--size-limit", default="64mb", help="shard size before compression (bytes or e.g. 64mb)")
+    p.add_argument("--write-tasks", type=int, default=0, help="parallel read/write tasks (0: one per CPU)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing MDS dataset at --output")
+    p.add_argument("--endpoint-url", help="S3-compatible endpoint (else config storage: or AWS_ENDPOINT_URL)")
+    p.add_argument("--region", help="S3 region (else config storage: or AWS_REGION)")
+    p.add_argument("--retries", type=int, help="retries for transient object-store errors (default 5)")
+    p.add_argument("overrides", nargs="*", help="--tokenize: dotted key=value config overrides")
+    args = p.parse_args(argv)
+    if args.tokenize and not args.config:
+        p.error("--tokenize needs --config (tokenizer, dataset types and templates)")
+    if not args.tokenize and not args.input:
+        p.error("raw mode needs at least one --input")
+    if args.tokenize and args.input:
+        p.error("--tokenize reads the config's data.datasets; set paths there or override data.datasets.0.path=...")
+    return args
+
+
+def storage_options(args: argparse.Namespace, base: StorageConfig | None) -> StorageOptions:
+    """Command-line flags over the config's storage: section over the AWS environment."""
+    cfg = (base or StorageConfig()).model_copy()
+    for key, value in (("endpoint_url", args.endpoint_url), ("region", args.region), ("retries", args.retries)):
+        if value is not None:
+            setattr(cfg, key, value)
+    return StorageOptions.from_config(cfg)
+
+
+def raw_table(inputs: list[str], fmt: str, opts: StorageOptions) -> SourceTable:
+    """The input files of raw mode, numbered like a config's datasets (one dataset per --input)."""
+    datasets, files = [], []
+    for d_idx, path in enumerate(inputs):
+        ds = DatasetConfig(path=path, format=fmt)
+        datasets.append(ds)
+        for fs_path, url, file_fmt, size, meta in resolve_dataset(ds, os.getcwd(), opts):
+            if file_fmt == "mds":
+                raise SourceError(f"--input {path!r} is already MDS")
+            files.append(SourceFile(len(files), d_idx, fs_path, url, file_fmt, size, meta))
+    return SourceTable(tuple(files), tuple(datasets), opts)
+
+
+def parse_columns(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        name, sep, enc = item.partition("=")
+        if not sep or not name or not enc:
+            raise ConfigError(f"--columns {item!r} is not NAME=ENCODING")
+        out[name] = enc
+    return out
+
+
+def choose_columns(table: SourceTable, opts: Any, n: int, given: dict[str, str]) -> dict[str, str]:
+    """Encodings from the first ``n`` records of the first file(s), overridden by ``given``."""
+    from itertools import islice
+
+    from pipelines.datasource import read_all_records
+    from pipelines.mds import infer_columns
+
+    first = SourceTable(table.files[:1], table.datasets, table.storage)
+    records = [json.loads(rec) for _, rec in islice(read_all_records(first, opts), n)]
+    if not records:
+        raise SourceError(f"{table.files[0].url}: no records to choose column encodings from")
+    return {**infer_columns(records), **given}
+
+
+def _keep_tokenized(batch: pa.Table) -> pa.Table:
+    """Tokenizer output -> the written columns; skipped records (empty rows) are left out."""
+    lengths = pc.list_value_length(batch.column("input_ids"))
+    batch = batch.filter(pc.greater(lengths, 0))
+    return pa.table({"input_ids": batch.column("input_ids"), "labels": batch.column("labels"),
+                     "source_sample_id": batch.column("sample_id")})
+
+
+def tokenized_meta(cfg: Config, table: SourceTable) -> dict[str, Any]:
+    """What produced a tokenized set (written as tokenized.json); checked by build_dataset."""
+    from pipelines.formats import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, ALPACA_TURN
+    from pipelines.mds import tokenizer_sha256
+    from pipelines.tokenize import load_tokenizer
+
+    hf = load_tokenizer(cfg.model)
+    return {
+        "format_version": 1,
+        "created_by": "ray_jobs/convert.py --tokenize",
+        "tokenizer": {"name": cfg.model.tokenizer_path, "sha256": tokenizer_sha256(hf), "vocab_size": len(hf)},
+        "template": {
+            "datasets": [ds.model_dump(mode="json") for ds in table.datasets],
+            "alpaca_prompts": [ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, ALPACA_TURN],
+            "chat_template": getattr(hf, "chat_template", None),
+        },
+        "sequence_len": cfg.data.sequence_len,
+        "add_eos": cfg.data.add_eos,
+        "train_on_inputs": cfg.data.train_on_inputs,
+        "sources": [f.url for f in table.files],
+        "columns": TOKENIZED_COLUMNS,
+    }
+
+
+def init_ray() -> None:
+    """Join ``RAY_ADDRESS`` / ``ray job submit``'s cluster, or start a local instance."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()
+        return
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    ray.init(runtime_env={"env_vars": {"PYTHONPATH": path}})
+
+
+def convert(args: argparse.Namespace) -> dict[str, Any]:
+    """Run one conversion; returns what was written (rows, shards, parts, seconds)."""
+    import ray
+
+    from pipelines.dataset import tokenizer_pool_size
+    from pipelines.datasource import ReadOptions, ShardDatasource
+    from pipelines.mds import MDSDatasink
+    from pipelines.stats import StatsSink, format_report, new_stats_actor
+    from pipelines.tokenize import Tokenizer
+
+    t0 = time.perf_counter()
+    cfg = load_config(args.config, args.overrides) if args.config else None
+    opts = storage_options(args, cfg.storage if cfg else None)
+    if args.tokenize:
+        assert cfg is not None
+        cfg.storage = StorageConfig(endpoint_url=opts.endpoint_url, region=opts.region, retries=opts.retries)
+        table = resolve_sources(cfg, args.split)
+    else:
+        table = raw_table(args.input, args.format, opts)
+    read_opts = ReadOptions(storage=opts, on_bad_record=cfg.data.on_bad_record if cfg else "raise",
+                            text_fields=tuple(ds.text_field for ds in table.datasets), unit_size=4096)
+    compression = None if args.compression in ("", "none") else args.compression
+    hashes = [h for h in args.hashes.split(",") if h and h != "none"]
+    tasks = args.write_tasks or max(1, int(ray.cluster_resources().get("CPU", 1)))
+    order = list(range(len(table.files)))
+    source = ShardDatasource(table, order, read_opts, StatsSink())
+    ds = ray.data.read_datasource(source, override_num_blocks=max(1, min(len(order), tasks)), num_cpus=0.25)
+    ds.context.execution_options.preserve_order = True
+    common = {"compression": compression, "hashes": hashes, "size_limit": args.size_limit, "storage": opts,
+              "overwrite": args.overwrite}
+    if args.tokenize:
+        assert cfg is not None
+        sink_stats = StatsSink(new_stats_actor())
+        tok = cfg.data.tokenize
+        ds = ds.map_batches(
+            Tokenizer,
+            fn_constructor_kwargs={"data": cfg.data, "model": cfg.model, "table": table, "sink": sink_stats,
+                                   "threads": tok.threads},
+            batch_size=None, batch_format="pyarrow", concurrency=tokenizer_pool_size(tok), num_cpus=tok.num_cpus,
+        )
+        ds = ds.map_batches(_keep_tokenized, batch_size=None, batch_format="pyarrow", num_cpus=0.25)
+        meta = json.dumps(tokenized_meta(cfg, table), indent=1).encode("utf-8")
+        sink = MDSDatasink(args.output, TOKENIZED_COLUMNS, extra_files={"tokenized.json": meta}, **common)
+    else:
+        columns = choose_columns(table, read_opts, args.sample_records, parse_columns(args.columns))
+        sink = MDSDatasink(args.output, columns, record_column="record", locate=table.where, **common)
+    ds.write_datasink(sink)
+    result = {**sink.written, "seconds": round(time.perf_counter() - t0, 2), "output": args.output,
+              "mode": "tokenize" if args.tokenize else "raw"}
+    if args.tokenize:
+        result["report"] = format_report(ray.get(sink_stats.actor.snapshot.remote()))
+    else:
+        result["columns"] = sink.columns
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from pipelines.datasource import BadRecordError
+    from pipelines.mds import MDSError
+
+    try:
+        init_ray()
+        result = convert(args)
+    except (ConfigError, SourceError, MDSError, StorageError, BadRecordError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    report = result.pop("report", None)
+    print(json.dumps(result))
+    if report:
+        print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

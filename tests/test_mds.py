@@ -1,0 +1,356 @@
+"""MDS on local disk: mosaic-written shards through build_dataset, our datasink through mosaic's
+StreamingDataset, pre-tokenized sets (llm-foundry's layout and convert.py --tokenize), and bad input.
+
+Proves: every sample of a mosaic-written set (str, int64, json, ndarray:int32 columns; zstd and no
+compression; sha1+xxh64 hashes; dozens of shards) comes out of build_dataset exactly once with the
+same values; a nested index made by mosaic's merge_index reads the same; rows written by
+MDSDatasink are exactly what StreamingDataset returns; token columns skip the tokenizer and come out
+unchanged; a tokenized set is refused under another tokenizer; each kind of broken set fails with
+an error naming the dataset and the shard.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import yaml
+from conftest import ALPACA, C4, GPT2, SMOLLM2, load_ray_job, make_config, needs_shared
+
+from pipelines.dataset import build_dataset, data_report, iter_packed_local
+from pipelines.datasource import ReadOptions, read_all_records
+from pipelines.mds import MDSDatasink, MDSError, tokenizer_sha256
+from pipelines.sources import resolve_sources, split_sample_id
+from pipelines.stats import StatsSink
+from pipelines.storage import StorageOptions
+from pipelines.tokenize import IGNORE_INDEX
+
+pytestmark = needs_shared
+
+COLUMNS = {"instruction": "str", "input": "str", "output": "str", "idx": "int64", "meta": "json",
+           "ids": "ndarray:int32"}
+
+
+def _samples(records: list[dict]) -> list[dict]:
+    """ALPACA records plus an int64, a json and an ndarray:int32 column derived from the index."""
+    return [{**r, "idx": i, "meta": {"n": i, "tags": ["x", i % 3]},
+             "ids": (np.arange(i % 5 + 1, dtype=np.int32) + i)} for i, r in enumerate(records)]
+
+
+def _as_json(sample: dict) -> dict:
+    return {**sample, "ids": sample["ids"].tolist()}
+
+
+def mosaic_write(out: Path, samples: list[dict], compression: str | None, hashes=("sha1", "xxh64"),
+                 size_limit: int = 1 << 15, columns: dict = COLUMNS) -> Path:
+    from streaming import MDSWriter
+
+    with MDSWriter(out=str(out), columns=columns, compression=compression, hashes=list(hashes),
+                   size_limit=size_limit) as w:
+        for s in samples:
+            w.write(s)
+    return out
+
+
+def _global_index(cfg) -> dict[int, int]:
+    """source index -> global sample index of the shard's first sample (shards in index order)."""
+    table = resolve_sources(cfg)
+    starts, total = {}, 0
+    for f in table.files:
+        starts[f.source_index] = total
+        total += json.loads(f.meta)["shard"]["samples"]
+    return starts
+
+
+def _pieces(row: dict) -> list[tuple[int, list[int], list[int]]]:
+    pos = np.asarray(row["position_ids"])
+    starts = [*np.flatnonzero(pos == 0).tolist(), len(pos)]
+    assert len(starts) - 1 == len(row["sample_ids"])
+    return [(sid, row["input_ids"][a:b], row["labels"][a:b])
+            for sid, a, b in zip(row["sample_ids"], starts[:-1], starts[1:], strict=True)]
+
+
+def _read_opts(cfg) -> ReadOptions:
+    return ReadOptions(storage=StorageOptions(), on_bad_record="raise", text_fields=("text",) * len(cfg.data.datasets))
+
+
+@pytest.fixture(scope="module")
+def alpaca() -> list[dict]:
+    return json.loads(ALPACA.read_text())
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(GPT2))
+
+
+# ----------------------------------------------------------------------------- mosaic -> build_dataset
+
+
+@pytest.mark.parametrize("compression", ["zstd", None])
+def test_mosaic_written_shards_through_build_dataset(ray_local, tmp_path, alpaca, gpt2, compression):
+    samples = _samples(alpaca)
+    root = mosaic_write(tmp_path / "mds", samples, compression)
+    index = json.loads((root / "index.json").read_text())
+    assert len(index["shards"]) >= 24 and index["shards"][0]["hashes"] == ["sha1", "xxh64"]
+    cfg = make_config([{"path": str(root), "type": "alpaca"}], sequence_len=2048, read_tasks=2)  # auto: index.json
+    starts = _global_index(cfg)
+
+    # The decoded records: every column of every sample, exactly as written (ndarray -> list).
+    decoded = {}
+    for sid, rec in read_all_records(resolve_sources(cfg), _read_opts(cfg)):
+        source, row = split_sample_id(sid)
+        decoded[starts[source] + row] = json.loads(rec)
+    assert decoded == {i: _as_json(s) for i, s in enumerate(samples)}
+
+    # Through Ray: each sample once, its trained tokens decode to its output.
+    ds = build_dataset(cfg)
+    seen = Counter()
+    for row in ds.take_all():
+        for sid, _, labels in _pieces(row):
+            source, r = split_sample_id(sid)
+            i = starts[source] + r
+            seen[i] += 1
+            trained = gpt2.decode([t for t in labels[:-1] if t != IGNORE_INDEX], clean_up_tokenization_spaces=False)
+            assert trained == alpaca[i]["output"]
+    assert sorted(seen) == list(range(len(alpaca))) and set(seen.values()) == {1}
+    counters = data_report(ds)["counters"]
+    assert counters["records_read"] == counters["samples_tokenized"] == len(alpaca)
+
+
+def test_nested_index_from_merge_index_and_sample_locations(tmp_path, alpaca):
+    from streaming.base.util import merge_index
+
+    samples = _samples(alpaca[:300])
+    mosaic_write(tmp_path / "root" / "a", samples[:120], "zstd", size_limit=1 << 14)
+    mosaic_write(tmp_path / "root" / "b", samples[120:], None, hashes=(), size_limit=1 << 14)
+    merge_index(str(tmp_path / "root"), keep_local=True)
+    index = json.loads((tmp_path / "root" / "index.json").read_text())
+    assert {s["raw_data"]["basename"].split("/")[0] for s in index["shards"]} == {"a", "b"}
+
+    cfg = make_config([{"path": str(tmp_path / "root"), "type": "alpaca"}])
+    table = resolve_sources(cfg)
+    assert all(f.format == "mds" for f in table.files) and len(table.files) == len(index["shards"])
+    records = [(sid, json.loads(rec)) for sid, rec in read_all_records(table, _read_opts(cfg))]
+    assert [r for _, r in records] == [_as_json(s) for s in samples]  # index order: a's shards, then b's
+    sid = records[130][0]  # a has 120 samples: sample 130 is in one of b's shards
+    url, row = table.locate(sid)
+    assert url.startswith(str(tmp_path / "root" / "b" / "shard.")) and row == 130 - _global_index(cfg)[split_sample_id(sid)[0]]
+
+
+# ----------------------------------------------------------------------------- datasink -> mosaic
+
+
+def test_datasink_rows_read_back_by_mosaic_streaming_dataset(ray_local, tmp_path, alpaca):
+    from streaming import StreamingDataset
+
+    rows = [{"idx": i, "text": r["output"], "ids": list(range(i % 9 + 1)), "score": i / 7}
+            for i, r in enumerate(alpaca)]
+    schema = pa.schema([("idx", pa.int64()), ("text", pa.string()), ("ids", pa.list_(pa.int32())), ("score", pa.float64())])
+    ds = ray_local.data.from_arrow(pa.Table.from_pylist(rows, schema=schema)).repartition(3)
+    out = tmp_path / "sink"
+    sink = MDSDatasink(str(out), hashes=["sha1", "xxh64"], size_limit=1 << 15)
+    ds.write_datasink(sink)
+    index = json.loads((out / "index.json").read_text())
+    assert sink.written == {"rows": len(rows), "shards": len(index["shards"]), "parts": 3}
+    first = index["shards"][0]
+    assert dict(zip(first["column_names"], first["column_encodings"], strict=True)) == {
+        "idx": "int64", "ids": "ndarray:int32", "score": "float64", "text": "str"}
+    assert index["shards"][0]["compression"] == "zstd" and len(index["shards"]) > 10
+
+    sd = StreamingDataset(local=str(out), shuffle=False, batch_size=1, validate_hash="sha1")
+    got = [sd[i] for i in range(sd.num_samples)]
+    back = sorted(({"idx": int(g["idx"]), "text": g["text"], "ids": g["ids"].tolist(), "score": float(g["score"])}
+                   for g in got), key=lambda r: r["idx"])
+    assert back == rows and all(g["ids"].dtype == np.int32 for g in got)
+
+
+# ----------------------------------------------------------------------------- pre-tokenized sets
+
+
+def _concat_chunks(tok, texts: list[str], length: int) -> list[np.ndarray]:
+    """llm-foundry's ConcatTokensDataset: texts + EOS concatenated, cut into ``length``-token samples."""
+    backend = tok.backend_tokenizer
+    backend.no_truncation()
+    buf = [t for e in backend.encode_batch(texts) for t in (*e.ids, tok.eos_token_id)]
+    return [np.asarray(buf[k : k + length], dtype=np.int32) for k in range(0, len(buf) - length + 1, length)]
+
+
+@pytest.mark.parametrize("layout", ["ndarray:int32", "bytes"])
+def test_llm_foundry_concat_tokens_skip_the_tokenizer(tmp_path, gpt2, layout):
+    texts = [json.loads(line)["text"] for line in C4.read_text().splitlines()[:60]]
+    chunks = _concat_chunks(gpt2, texts, 256)
+    # ndarray: today's ConcatTokensDataset; bytes: the legacy layout (int64 ids, np.asarray(ids).tobytes()).
+    value = (lambda c: c) if layout != "bytes" else (lambda c: c.astype(np.int64).tobytes())
+    root = mosaic_write(tmp_path / "concat", [{"tokens": value(c)} for c in chunks], "zstd",
+                        size_limit=1 << 13, columns={"tokens": layout})
+    cfg = make_config([{"path": str(root), "type": "completion"}], sequence_len=256, packing="none")
+    starts = _global_index(cfg)
+    sink = StatsSink()
+    got = {}
+    for table in iter_packed_local(cfg, sink=sink):
+        for row in table.to_pylist():
+            source, r = split_sample_id(row["sample_ids"][0])
+            got[starts[source] + r] = row
+    assert len(got) == len(chunks) > 20
+    assert all(got[i]["input_ids"] == c.tolist() == got[i]["labels"] for i, c in enumerate(chunks))
+    assert sink.local.counters["samples_pretokenized"] == len(chunks) == sink.local.counters["samples_tokenized"]
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(tmp_path):
+    root = mosaic_write(tmp_path / "bad", [{"input_ids": np.array([1, 2, 60000], np.int32)}], None,
+                        columns={"input_ids": "ndarray:int32"})
+    cfg = make_config([{"path": str(root)}], sequence_len=64)
+    with pytest.raises(Exception, match=r"shard.00000.mds row 0: token id 60000 is outside the vocabulary"):
+        list(iter_packed_local(cfg))
+
+
+def _write_config(path: Path, data_path: Path, tokenizer: Path, **data) -> Path:
+    cfg = {"model": {"tokenizer": str(tokenizer)},
+           "data": {"datasets": [{"path": str(data_path), "type": "alpaca"}], "sequence_len": 2048,
+                    "tokenize": {"num_actors": 1, "num_cpus": 0.5}, **data}}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_convert_tokenize_once_then_train_from_it(ray_local, tmp_path, alpaca, capsys):
+    convert = load_ray_job("convert")
+    config = _write_config(tmp_path / "gpt2.yaml", ALPACA, GPT2)
+    out = tmp_path / "alpaca-gpt2"
+    assert convert.main(["--tokenize", "--config", str(config), "--output", str(out), "--size-limit", "128kb",
+                         "--write-tasks", "2"]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert summary["rows"] == len(alpaca) and summary["shards"] >= 4
+    meta = json.loads((out / "tokenized.json").read_text())
+    from transformers import AutoTokenizer
+
+    assert meta["tokenizer"] == {"name": str(GPT2), "sha256": tokenizer_sha256(AutoTokenizer.from_pretrained(str(GPT2))),
+                                 "vocab_size": 50257}
+    assert meta["sources"] == [str(ALPACA)] and meta["sequence_len"] == 2048
+    assert meta["template"]["datasets"][0]["type"] == "alpaca"
+
+    # The converted set trains exactly like the source: same ids and labels per source sample.
+    direct = make_config([{"path": str(ALPACA), "type": "alpaca"}], sequence_len=2048, packing="none")
+    expected = {r["sample_ids"][0]: (r["input_ids"], r["labels"]) for r in build_dataset(direct).take_all()}
+    cfg = make_config([{"path": str(out), "format": "mds"}], sequence_len=2048, packing="none", read_tasks=2)
+    source_of = {sid: json.loads(rec)["source_sample_id"] for sid, rec in read_all_records(resolve_sources(cfg), _read_opts(cfg))}
+    ds = build_dataset(cfg)
+    got = {source_of[r["sample_ids"][0]]: (r["input_ids"], r["labels"]) for r in ds.take_all()}
+    assert got == expected and len(got) == len(alpaca)
+    counters = data_report(ds)["counters"]
+    assert counters["samples_pretokenized"] == len(alpaca)
+
+    # Another tokenizer: refused at build time, naming both.
+    other = make_config([{"path": str(out), "format": "mds"}], tokenizer=SMOLLM2)
+    with pytest.raises(MDSError, match=r"tokenized with tokenizer '.*gpt2'.*model.tokenizer is '.*smollm2-135m-instruct'"):
+        build_dataset(other)
+
+
+def test_convert_raw_keeps_columns_and_order(ray_local, tmp_path, alpaca, capsys):
+    from streaming import StreamingDataset
+
+    convert = load_ray_job("convert")
+
+    out = tmp_path / "raw"
+    assert convert.main(["--input", str(ALPACA), "--output", str(out), "--size-limit", "64kb", "--hashes", "sha1"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["columns"] == {"instruction": "str", "input": "str", "output": "str"}
+    sd = StreamingDataset(local=str(out), shuffle=False, batch_size=1, validate_hash="sha1")
+    assert [sd[i] for i in range(sd.num_samples)] == alpaca
+
+    # A column the first records did not have: a clear error naming file and line, nothing half-written.
+    jsonl = tmp_path / "mixed.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in [{"text": "a"}] * 3 + [{"text": "b", "extra": 1}]))
+    assert convert.main(["--input", str(jsonl), "--output", str(tmp_path / "mixed"), "--sample-records", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{jsonl} line 4" in err and "--columns extra=json" in err
+    assert not (tmp_path / "mixed" / "index.json").exists()
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture()
+def small_set(tmp_path, alpaca) -> Path:
+    return mosaic_write(tmp_path / "ds", _samples(alpaca[:200]), "zstd", hashes=("xxh64",), size_limit=1 << 14)
+
+
+def _shard(root: Path, k: int = 1) -> str:
+    return json.loads((root / "index.json").read_text())["shards"][k]["zip_data"]["basename"]
+
+
+def _edit_index(root: Path, fn) -> None:
+    index = json.loads((root / "index.json").read_text())
+    fn(index)
+    (root / "index.json").write_text(json.dumps(index))
+
+
+def _break(root: Path, case: str) -> str:
+    """Damage the set as ``case`` says; returns the shard the error must name ('' for the index)."""
+    name = _shard(root)
+    path = root / name
+    if case == "missing_index":
+        (root / "index.json").unlink()
+        return ""
+    if case == "index_not_mds":
+        (root / "index.json").write_text(json.dumps({"version": 2, "files": ["shard.00000.mds"]}))
+        return ""
+    if case == "index_not_json":
+        (root / "index.json").write_text("<html>not json</html>")
+        return ""
+    if case == "shard_missing":
+        path.unlink()
+    elif case == "hash_mismatch":
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    elif case == "truncated":
+        path.write_bytes(path.read_bytes()[:-40])
+    elif case == "corrupt_no_hash":
+        data = bytearray(path.read_bytes())
+        data[8:40] = b"\x00" * 32
+        path.write_bytes(bytes(data))
+        _edit_index(root, lambda ix: [s["zip_data"].update(hashes={}) for s in ix["shards"]])
+    elif case == "unknown_encoding":
+        _edit_index(root, lambda ix: ix["shards"][1].update(column_encodings=["bogus:enc", *ix["shards"][1]["column_encodings"][1:]]))
+    return name
+
+
+BAD = {
+    "missing_index": "no index.json in",
+    "index_not_mds": "is not an MDS index",
+    "index_not_json": "is not valid JSON",
+    "shard_missing": "listed in index.json but missing",
+    "hash_mismatch": "xxh64 hash mismatch",
+    "truncated": "bytes but index.json says",
+    "corrupt_no_hash": "cannot decompress (zstd)",
+    "unknown_encoding": "has unknown MDS encoding 'bogus:enc'",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_broken_set_fails_naming_dataset_and_shard(small_set, case):
+    shard = _break(small_set, case)
+    cfg = make_config([{"path": str(small_set), "format": "mds", "type": "alpaca"}], on_bad_record="skip")
+    with pytest.raises(MDSError) as err:
+        list(iter_packed_local(cfg))
+    msg = str(err.value)
+    assert BAD[case] in msg and f"MDS dataset {small_set}" in msg
+    assert shard in msg, f"the error should name shard {shard!r}: {msg}"
+
+
+def test_intact_set_reads_after_a_failed_copy(small_set, tmp_path):
+    """The control for the cases above: the same set, undamaged, reads every sample."""
+    copy = tmp_path / "copy"
+    shutil.copytree(small_set, copy)
+    cfg = make_config([{"path": str(copy), "format": "mds", "type": "alpaca"}])
+    sink = StatsSink()
+    n = sum(len(r["sample_ids"]) for t in iter_packed_local(cfg, sink=sink) for r in t.to_pylist())
+    assert n == 200 == sink.local.counters["records_read"]
