@@ -137,16 +137,19 @@ class TokenizeConfig(_Strict):
     )
     batch_size: int = Field(512, gt=0, description="Samples per tokenizer call.")
     num_cpus: float = Field(1.0, gt=0, description="CPUs reserved per tokenizer actor.")
-    threads: int = Field(1, gt=0, description="Rust tokenizer threads per actor (RAYON_NUM_THREADS).")
+    threads: int | Literal["auto"] = Field(
+        "auto", description="Rust tokenizer threads per actor (RAYON_NUM_THREADS); auto: the CPUs per actor "
+        "of the pool at its largest, e.g. 2 on a 2-CPU machine (1 actor), 1 on a 16-CPU node (15 actors)."
+    )
     resources: dict[str, float] = Field(
         default_factory=dict, description="Extra Ray resources per actor, e.g. {cpu_node: 1} to pin to CPU nodes."
     )
 
-    @field_validator("num_actors")
+    @field_validator("num_actors", "threads")
     @classmethod
     def _positive(cls, v: int | str) -> int | str:
         if isinstance(v, int) and v < 1:
-            raise ValueError("num_actors must be >= 1 or 'auto'")
+            raise ValueError("must be >= 1 or 'auto'")
         return v
 
 

@@ -86,6 +86,21 @@ def tokenizer_pool_size(tok: TokenizeConfig, cpus: float | None = None) -> tuple
     return 1, max(1, math.floor((cpus - CPU_RESERVE_FOR_READS) / tok.num_cpus))
 
 
+def tokenizer_threads(tok: TokenizeConfig, max_actors: int, cpus: float | None = None) -> int:
+    """Rust threads per tokenizer actor: as set, or (auto) the cluster's CPUs per actor, at least 1."""
+    if tok.threads != "auto":
+        return int(tok.threads)
+    cpus = _cluster_cpus() if cpus is None else cpus
+    return max(1, math.floor(cpus / max(1, max_actors)))
+
+
+def tokenizer_env(threads: int) -> dict[str, str]:
+    """Environment of the tokenizer actors: bounded Rust threads, and transformers without torch
+    (``USE_TORCH=0``: importing torch costs seconds and ~1 GB per actor, and tokenizing never needs it)."""
+    return {"RAYON_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "true" if threads > 1 else "false",
+            "USE_TORCH": "0"}
+
+
 def _read_options(cfg: Config, table: SourceTable, split: str) -> ReadOptions:
     return ReadOptions(
         storage=table.storage,
@@ -135,16 +150,17 @@ def build_dataset(
     ds = ray.data.read_datasource(source, num_cpus=cfg.data.read_num_cpus, override_num_blocks=n_tasks)
 
     tok = cfg.data.tokenize
+    pool = tokenizer_pool_size(tok)
+    threads = tokenizer_threads(tok, pool[1])
     ds = ds.map_batches(
         Tokenizer,
-        fn_constructor_kwargs={"data": cfg.data, "model": cfg.model, "table": table, "sink": sink, "threads": tok.threads},
+        fn_constructor_kwargs={"data": cfg.data, "model": cfg.model, "table": table, "sink": sink, "threads": threads},
         batch_size=None,  # whole blocks: a block is one unit (or several, never part of one)
         batch_format="pyarrow",
-        concurrency=tokenizer_pool_size(tok),
+        concurrency=pool,
         num_cpus=tok.num_cpus,
         resources=tok.resources or None,
-        runtime_env={"env_vars": {"RAYON_NUM_THREADS": str(tok.threads),
-                                  "TOKENIZERS_PARALLELISM": "true" if tok.threads > 1 else "false"}},
+        runtime_env={"env_vars": tokenizer_env(threads)},
     )
     ds = ds.map_batches(
         _pack,
@@ -169,7 +185,7 @@ def iter_packed_local(cfg: Config, split: str = "train", sink: StatsSink | None 
     sink = sink or StatsSink()
     first, cursor, skip = _start(start)
     files = [table.files[i] for i in ordered_files(cfg, table, epoch)[first:]]
-    tokenizer = Tokenizer(cfg.data, cfg.model, table, sink, cfg.data.tokenize.threads)
+    tokenizer = Tokenizer(cfg.data, cfg.model, table, sink, tokenizer_threads(cfg.data.tokenize, 1))
     packer = Packer(_pack_options(cfg, epoch), sink, table)
     for block in read_files(files, _read_options(cfg, table, split), sink, cursor, skip):
         yield packer(tokenizer(block))

@@ -1,0 +1,320 @@
+"""Shared helpers for the benchmark scripts: data preparation, child-process runs with process-tree
+peak RSS, medians, packing baselines, machine and version info, markdown tables.
+
+Every measured system runs in its own child process (``benchmarks/systems.py NAME PARAMS``) so that
+imports, ``ray.init`` and memory of one system never leak into another; the parent samples the RSS
+of the child's whole process tree (Ray's raylet, GCS and workers included) with psutil.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+SHARED = Path(os.environ.get("PIPELINES_SHARED_DATA", ROOT.parent / "shared" / "data"))
+ALPACA = SHARED / "sft" / "alpaca_en_demo.json"
+LIMA = SHARED / "sft" / "lima.json"
+SHAKESPEARE = SHARED / "text" / "tinyshakespeare.txt"
+GPT2 = SHARED / "tokenizers" / "gpt2"
+SMOLLM2 = SHARED / "tokenizers" / "smollm2-135m-instruct"
+DEFAULT_WORK = BENCH_DIR / ".work"
+PY = sys.executable
+RESULT_TAG = "BENCH_RESULT "
+
+# No hub access at run time; every child runs with these.
+CHILD_ENV = {
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "RAY_DEDUP_LOGS": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "PYTHONWARNINGS": "ignore",
+}
+
+
+def shared_available() -> bool:
+    return ALPACA.is_file() and (GPT2 / "tokenizer.json").is_file()
+
+
+# --------------------------------------------------------------------------- data
+
+
+def alpaca_records() -> list[dict[str, Any]]:
+    return json.loads(ALPACA.read_text(encoding="utf-8"))
+
+
+def write_alpaca_jsonl(work: Path, n_records: int) -> Path:
+    """The Alpaca demo cycled to ``n_records`` records, as JSONL shards of one copy each (999 records, 0.84 MB).
+
+    Cached under ``work/data/alpaca_<n>``; written to a temp dir and renamed, so a crash leaves no half set.
+    """
+    out = work / "data" / f"alpaca_{n_records}"
+    if out.is_dir():
+        return out
+    recs = alpaca_records()
+    shard_records = len(recs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".alpaca_{n_records}_"))
+    lines = [json.dumps(recs[i % len(recs)], ensure_ascii=False) + "\n" for i in range(n_records)]
+    for shard, start in enumerate(range(0, n_records, shard_records)):
+        (tmp / f"part-{shard:04d}.jsonl").write_text("".join(lines[start : start + shard_records]), encoding="utf-8")
+    try:
+        tmp.rename(out)
+    except OSError:  # another run made it first
+        subprocess.run(["rm", "-rf", str(tmp)], check=False)
+    return out
+
+
+def jsonl_files(data_dir: Path) -> list[str]:
+    return sorted(str(p) for p in Path(data_dir).glob("*.jsonl"))
+
+
+def data_bytes(data_dir: Path) -> int:
+    return sum(os.path.getsize(p) for p in jsonl_files(data_dir))
+
+
+# --------------------------------------------------------------------------- child runs
+
+
+class TreeRSS:
+    """Samples the summed RSS of a process and all its descendants every ``interval`` seconds.
+
+    RSS sums count shared pages (Ray's object store, shared libraries) once per process that maps
+    them, so this is an upper bound on the tree's real footprint, the same way for every system.
+    """
+
+    def __init__(self, pid: int, interval: float = 0.1) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self.pid, self.interval = pid, interval
+        self.peak = 0
+        self.cpu: dict[tuple[int, float], float] = {}  # (pid, create_time) -> user+system seconds, last seen
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> int:
+        ps = self._psutil
+        try:
+            root = ps.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except ps.Error:
+            return 0
+        total = 0
+        for p in procs:
+            with contextlib.suppress(ps.Error):
+                total += p.memory_info().rss
+                t = p.cpu_times()
+                self.cpu[(p.pid, p.create_time())] = t.user + t.system
+        return total
+
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds used by the tree (processes seen by the sampler; a short-lived one may be missed)."""
+        return sum(self.cpu.values())
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.sample())
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> TreeRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_system(name: str, params: dict[str, Any], timeout: float = 600, env: dict[str, str] | None = None,
+               log_dir: Path | None = None) -> dict[str, Any]:
+    """Run ``systems.py name params`` in a child; its result dict plus ``peak_rss_mb`` and ``wall_s``.
+
+    Never raises for a failing system: the dict then has ``error`` (the last lines of its stderr).
+    """
+    child_env = {**os.environ, **CHILD_ENV, **(env or {})}
+    child_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(BENCH_DIR), child_env.get("PYTHONPATH", "")])
+    log_dir = Path(log_dir or tempfile.gettempdir())
+    log_dir.mkdir(parents=True, exist_ok=True)
+    err_path = log_dir / f"{name}-{os.getpid()}-{time.monotonic_ns()}.stderr"
+    cmd = [PY, str(BENCH_DIR / "systems.py"), name, json.dumps(params)]
+    t0, t_spawn = time.perf_counter(), time.time()
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=child_env, cwd=ROOT, text=True,
+                                start_new_session=True)
+        try:
+            with TreeRSS(proc.pid) as rss:
+                out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            out, _ = proc.communicate()
+            return {"error": f"timed out after {timeout:.0f} s", "system": name}
+    wall = time.perf_counter() - t0
+    result: dict[str, Any] | None = None
+    for line in out.splitlines():
+        if line.startswith(RESULT_TAG):
+            result = json.loads(line[len(RESULT_TAG) :])
+    if proc.returncode != 0 or result is None:
+        tail = _tail(err_path)
+        return {"error": f"exit {proc.returncode}: {tail}", "system": name}
+    result.update(system=name, peak_rss_mb=rss.peak / 2**20, wall_s=wall, cpu_s=rss.cpu_s)
+    if result.get("first_row_unix"):  # from process start: imports, tokenizer load and init included
+        result["cold_ttfb_s"] = result["first_row_unix"] - t_spawn
+    if result.get("tokens") and "pass_s" not in result:  # raw repeats passes in one process: no per-token CPU
+        result["cpu_s_per_mtok"] = rss.cpu_s / (result["tokens"] / 1e6)
+    with contextlib.suppress(OSError):
+        err_path.unlink()
+    return result
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """End the child's own session (it was started with start_new_session, so only what it started)."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+
+
+def _tail(path: Path, n: int = 6) -> str:
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "(no stderr)"
+    return " | ".join(lines[-n:])[-1200:]
+
+
+NUMERIC_KEYS = ("init_s", "ttfb_s", "total_s", "steady_tok_s", "e2e_tok_s", "peak_rss_mb", "wall_s",
+                "baseline_rss_mb", "efficiency", "tokens", "rows", "cpu_s", "cpu_s_per_mtok", "cold_ttfb_s")
+
+
+def repeat_system(name: str, params: dict[str, Any], repeats: int, **kw: Any) -> dict[str, Any]:
+    """``repeats`` runs; numeric keys are medians, ``runs`` holds every run. Errors win if all fail."""
+    runs = [run_system(name, params, **kw) for _ in range(repeats)]
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return {"error": runs[-1]["error"], "system": name, "runs": runs}
+    out = dict(ok[-1])
+    for key in NUMERIC_KEYS:
+        vals = [r[key] for r in ok if isinstance(r.get(key), int | float)]
+        if vals:
+            out[key] = statistics.median(vals)
+    out["repeats"] = len(ok)
+    out["runs"] = [{k: r.get(k) for k in NUMERIC_KEYS if k in r} for r in runs]
+    if len(ok) < len(runs):
+        out["failed_runs"] = len(runs) - len(ok)
+    return out
+
+
+# --------------------------------------------------------------------------- packing baselines
+
+
+def first_fit(lengths: np.ndarray, capacity: int, order: np.ndarray | None = None) -> list[list[int]]:
+    """First-fit bin packing: each item (in ``order``) goes to the first open bin with room.
+
+    Arrival order gives the greedy streaming baseline; decreasing length order gives FFD (multipack).
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    order = np.arange(len(lengths)) if order is None else order
+    room = np.empty(len(lengths), dtype=np.int64)
+    bins: list[list[int]] = []
+    for i in order:
+        n = int(lengths[i])
+        k = -1
+        if bins:
+            fits = room[: len(bins)] >= n
+            k = int(fits.argmax())
+            if not fits[k]:
+                k = -1
+        if k < 0:
+            room[len(bins)] = capacity - n
+            bins.append([int(i)])
+        else:
+            room[k] -= n
+            bins[k].append(int(i))
+    return bins
+
+
+def ffd(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """First-fit decreasing over the whole dataset (what multipack-style samplers do)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return first_fit(lengths, capacity, np.argsort(-lengths, kind="stable"))
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def machine_info() -> dict[str, Any]:
+    import psutil
+
+    vm = psutil.virtual_memory()
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:
+        affinity = os.cpu_count()
+    return {
+        "cpus": os.cpu_count(),
+        "cpus_usable": affinity,
+        "cpu_model": cpu,
+        "memory_gib": round(vm.total / 2**30, 1),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+LIBRARIES = ("ray", "tokenizers", "transformers", "datasets", "mosaicml-streaming", "litdata", "pyarrow",
+             "numpy", "torch", "matplotlib", "psutil", "pydantic")
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for lib in LIBRARIES:
+        try:
+            out[lib] = metadata.version(lib)
+        except metadata.PackageNotFoundError:
+            out[lib] = "not installed"
+    return out
+
+
+def md_table(headers: list[str], rows: list[list[Any]]) -> str:
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        return str(v).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def fmt_rate(v: float | None) -> str:
+    return "-" if v is None else f"{v / 1e6:.3f} M"

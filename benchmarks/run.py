@@ -1,0 +1,791 @@
+"""All benchmarks (issue 5), side by side on the same cores, data and tokenizer; writes BENCHMARKS.md + plots.
+
+    .venv/bin/python benchmarks/run.py                 # full: ~15 min on 2 cores; BENCHMARKS.md, benchmarks/results/
+    .venv/bin/python benchmarks/run.py --quick         # tiny data, 1 repeat, < 3 min; writes to a temp dir
+    .venv/bin/python benchmarks/run.py --quick --out DIR
+
+B1 tokenizer ceiling, B2 ingest vs peers, B3 time to first row and peak RSS vs data size, B4 packing
+efficiency, B5 data-wait while training (``benchmarks/train_stall.py``), B6 MDS read
+(``benchmarks/mds_read.py``), B7 resume latency (``benchmarks/resume.py``). A benchmark whose
+prerequisite is missing prints "not available" instead of failing the run.
+
+External scripts (B5-B7) are run as ``python benchmarks/X.py [--quick]``; their stdout is copied into
+BENCHMARKS.md (markdown table lines as they are, everything else as a text block). A line
+``BENCH_RESULT {json}`` in their output is kept in results.json as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import benchlib as bl  # noqa: E402
+import ingest  # noqa: E402
+import packing_bench  # noqa: E402
+
+NA = "not available"
+RESULT_TAGS = (bl.RESULT_TAG, "RESULT ")  # machine-readable result lines of the external scripts
+FULL_CMD = ".venv/bin/python benchmarks/run.py"
+
+
+# --------------------------------------------------------------------------- B1
+
+
+def run_b1(ctx: dict[str, Any]) -> dict[str, Any]:
+    """Raw encode_batch, short (Alpaca) and long (tinyshakespeare, 16k-character chunks) documents."""
+    out: dict[str, Any] = {}
+    ing = ctx["ingest"]
+    out["short 1t"], out["short 2t"] = ing.get("raw 1t"), ing.get("raw 2t")
+    data_dir = ing.get("_data", {}).get("dir")
+    for threads in (1, 2):
+        out[f"stage {threads}t"] = (
+            bl.run_system("stage", {"tokenizer": str(bl.GPT2), "data": data_dir},
+                          env={"RAYON_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "true"}, log_dir=ctx["logs"])
+            if data_dir else {"error": NA})
+    if not bl.SHAKESPEARE.is_file():
+        out["long 1t"] = out["long 2t"] = {"error": f"{NA}: {bl.SHAKESPEARE} missing"}
+        return out
+    for threads in (1, 2):
+        params = {"tokenizer": str(bl.GPT2), "texts": "long", "long_file": str(bl.SHAKESPEARE), "long_chars": 16000,
+                  "long_copies": 1 if ctx["quick"] else 4, "passes": max(3, ctx["repeats"])}
+        out[f"long {threads}t"] = bl.run_system("raw", params, env={"RAYON_NUM_THREADS": str(threads),
+                                                                     "TOKENIZERS_PARALLELISM": "true"},
+                                                log_dir=ctx["logs"])
+    return out
+
+
+def b1_md(b1: dict[str, Any]) -> str:
+    rows = []
+    for docs, label in (("short", "Alpaca prompts (short)"), ("long", "tinyshakespeare 16k-char chunks (long)")):
+        for t in (1, 2):
+            r = b1.get(f"{docs} {t}t") or {"error": NA}
+            if "error" in r:
+                rows.append([label, t, NA, "-", "-", "-", r["error"][:120]])
+                continue
+            rows.append([label, t, bl.fmt_rate(r["steady_tok_s"]), r.get("docs"), r.get("mean_doc_tokens"),
+                         r.get("tokens"), f"median of {len(r.get('pass_s') or [])} passes"])
+    table = bl.md_table(["documents", "threads", "tokens/s", "docs", "mean tokens/doc", "tokens/pass", "repeats"], rows)
+    srows = []
+    for t in (1, 2):
+        r = b1.get(f"stage {t}t") or {"error": NA}
+        if "error" in r:
+            srows.append([t, NA, "-", "-", "-", "-", "-", r["error"][:120]])
+            continue
+        srows.append([t, bl.fmt_rate(r["e2e_tok_s"]), bl.fmt_rate(r.get("tokenize_tok_s")), bl.fmt_rate(r.get("encode_tok_s")),
+                      r.get("encode_s"), (r.get("tokenize_s") or 0) - (r.get("encode_s") or 0), r.get("pack_s"),
+                      r.get("other_s")])
+    stage = bl.md_table(["threads", "whole pass tok/s", "Tokenizer stage tok/s", "its encode_batch tok/s", "encode s",
+                         "Python per sample s (parse, format, labels)", "pack s", "read + rest s"], srows)
+    return (table + "\n\nOurs' stages in one process (`iter_packed_local` on the B2 data, Tokenizer and Packer "
+            "timed; one run): how close the Tokenizer stage itself gets to the ceiling.\n\n" + stage)
+
+
+# --------------------------------------------------------------------------- B2
+
+
+def run_b2(ctx: dict[str, Any]) -> dict[str, Any]:
+    """Peers on the ingest data (ours, raw and HF streaming come from the ingest run)."""
+    data_dir = Path(ctx["ingest"]["_data"]["dir"])
+    n = ctx["records"]
+    work, reps, kw = ctx["work"], ctx["repeats"], {"log_dir": ctx["logs"]}
+    tok = str(bl.GPT2)
+    out: dict[str, Any] = {}
+    (work / "tmp").mkdir(parents=True, exist_ok=True)
+    print("  eager datasets.map(num_proc=2) + FFD ...", flush=True)
+    out["eager"] = bl.repeat_system("eager", {"tokenizer": tok, "data": str(data_dir), "num_proc": ctx["cpus"],
+                                              "tmp": str(work / "tmp")}, reps,
+                                    env={"RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}, **kw)
+    print("  mosaic StreamingDataset + DataLoader(num_workers=2) ...", flush=True)
+    mds = work / "mds" / f"alpaca_{n}"
+    prep = bl.run_system("prep_mds", {"data": str(data_dir), "out": str(mds)}, **kw)
+    out["mosaic"] = prep if "error" in prep else bl.repeat_system(
+        "mosaic", {"tokenizer": tok, "mds": str(mds), "num_workers": ctx["cpus"], "tmp": str(work / "tmp")}, reps,
+        env={"TOKENIZERS_PARALLELISM": "false"}, **kw)
+    print("  LitData StreamingDataset + StreamingDataLoader(num_workers=2) ...", flush=True)
+    try:
+        import litdata  # noqa: F401
+    except Exception as err:
+        out["litdata"] = {"error": f"{NA}: litdata does not import here ({type(err).__name__}: {err})"}
+    else:
+        lit = work / "litdata" / f"alpaca_{n}"
+        prep = bl.run_system("prep_litdata", {"data": str(data_dir), "out": str(lit)}, **kw)
+        out["litdata"] = prep if "error" in prep else bl.repeat_system(
+            "litdata", {"tokenizer": tok, "litdata": str(lit), "num_workers": ctx["cpus"]}, reps,
+            env={"TOKENIZERS_PARALLELISM": "false"}, **kw)
+    return out
+
+
+PEERS = {"hf_stream": "HF datasets streaming + map", "mosaic": "mosaic StreamingDataset + DataLoader(2 workers)",
+         "eager": "axolotl-style eager: datasets.map(num_proc=2) + FFD", "litdata": "LitData StreamingDataLoader(2 workers)"}
+
+
+def b2_systems(ctx: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    ing, b2 = ctx["ingest"], ctx["results"].get("B2", {})
+    best = ing.get("ours_best")
+    rows = [("ours: build_dataset, default pool", ing.get("ours"))]
+    if best and best != "default":
+        rows.append((f"ours: build_dataset, best pool ({best})", ing["ours_sweep"][best]))
+    if "ours_local" in ing:
+        rows.append(("ours: iter_packed_local (1 process, no Ray)", ing["ours_local"]))
+    rows.append((PEERS["hf_stream"], ing.get("hf_stream")))
+    rows += [(PEERS[k], b2.get(k)) for k in ("mosaic", "eager", "litdata")]
+    return [(label, r or {"error": NA}) for label, r in rows]
+
+
+def best_peer(ctx: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
+    ing, b2 = ctx["ingest"], ctx["results"].get("B2", {})
+    peers = {"hf_stream": ing.get("hf_stream"), **{k: b2.get(k) for k in ("mosaic", "eager", "litdata")}}
+    ok = {k: v for k, v in peers.items() if v and "error" not in v and v.get("steady_tok_s")}
+    if not ok:
+        return None, None
+    ceiling = ing.get("raw 2t")
+    # A peer whose "steady" rate is a burst above the tokenizer ceiling is ranked by its end-to-end rate.
+    k = max(ok, key=lambda k: ok[k]["e2e_tok_s"] if ingest.burst(ok[k], ceiling) else ok[k]["steady_tok_s"])
+    return PEERS[k], ok[k]
+
+
+def _b3_source(ctx: dict[str, Any], system: str | None) -> dict[str, Any] | None:
+    """The B2 result that B3 reused as its largest point for ``system`` (the marginal rate belongs to it)."""
+    ing, b2 = ctx["ingest"], ctx["results"].get("B2", {})
+    return {"ours": ing.get("ours"), "hf_stream": ing.get("hf_stream"), "eager": b2.get("eager")}.get(system or "")
+
+
+def _note(r: dict[str, Any]) -> str:
+    if r.get("system") == "eager":
+        return "nothing streams: steady = whole pass"
+    if r.get("steady_is_e2e"):
+        return "one batch only: steady = end to end"
+    return ""
+
+
+def b2_md(ctx: dict[str, Any]) -> str:
+    ceiling = ctx["ingest"].get("raw 2t")
+    peer_label, peer = best_peer(ctx)
+    marginal = (ctx["results"].get("B3") or {}).get("marginal", {})
+    rows = []
+    for label, r in b2_systems(ctx):
+        if "error" in r:
+            rows.append([label, NA, *["-"] * 11, r["error"][:160]])
+            continue
+        m = marginal.get(r.get("system", "")) if r is _b3_source(ctx, r.get("system")) else None
+        rows.append([label, ingest.steady_text(r, ceiling), bl.fmt_rate(r.get("e2e_tok_s")), bl.fmt_rate(m),
+                     ingest.ratio(r, ceiling), ingest.ratio(r, ceiling, "e2e_tok_s"), ingest.ratio(r, peer),
+                     r.get("init_s"), r.get("ttfb_s"), r.get("cold_ttfb_s"), r.get("peak_rss_mb"),
+                     r.get("cpu_s_per_mtok"), r.get("repeats", 1), _note(r)])
+    table = bl.md_table(["system", "steady tok/s (after 1st row)", "end-to-end tok/s", "marginal tok/s (B3 slope)",
+                         "x B1 2t (steady)", "x B1 2t (e2e)", "x best peer (steady)", "init s",
+                         "first row s (after init)", "first row s (from process start)",
+                         "peak RSS MB", "CPU s / M tok", "repeats", "note"], rows)
+    return table + f"\n\nBest peer (steady state): {peer_label or NA}."
+
+
+def sweep_md(ctx: dict[str, Any]) -> str:
+    ing = ctx["ingest"]
+    rows = []
+    for name, r in ing.get("ours_sweep", {}).items():
+        setting = json.dumps(ingest.POOL_SETTINGS[name]) if ingest.POOL_SETTINGS[name] else "config defaults"
+        if "error" in r:
+            rows.append([name, setting, NA, "-", "-", "-", "-", "-", r["error"][:160]])
+            continue
+        rows.append([name + (" (best)" if name == ing.get("ours_best") else ""), setting,
+                     bl.fmt_rate(r.get("steady_tok_s")), bl.fmt_rate(r.get("e2e_tok_s")),
+                     ingest.ratio(r, ing.get("raw 2t")), r.get("ttfb_s"), r.get("peak_rss_mb"),
+                     r.get("cpu_s_per_mtok"), r.get("repeats", 1)])
+    return bl.md_table(["pool", "data.tokenize", "steady tok/s", "end-to-end tok/s", "x B1 (2t)", "first row s",
+                        "peak RSS MB", "CPU s / M tok", "repeats"], rows)
+
+
+# --------------------------------------------------------------------------- B3
+
+
+def b3_sizes(records: int, quick: bool = False) -> list[int]:
+    """1x, 4x, 16x where 16x is the B2 data (quick: 1x and 16x only)."""
+    if quick:
+        return [max(1, round(records / 16)), records]
+    return [max(1, round(records / 16)), max(1, round(records / 4)), records]
+
+
+def run_b3(ctx: dict[str, Any]) -> dict[str, Any]:
+    """ours / eager / HF streaming at 1x, 4x, 16x; the 16x point is the B2 data (reused)."""
+    sizes = b3_sizes(ctx["records"], ctx["quick"])
+    (ctx["work"] / "tmp").mkdir(parents=True, exist_ok=True)
+    work, reps, kw, cpus = ctx["work"], ctx["repeats"], {"log_dir": ctx["logs"]}, ctx["cpus"]
+    ing, b2 = ctx["ingest"], ctx["results"].get("B2", {})
+    out: dict[str, Any] = {"sizes": sizes, "points": {}}
+    for n in sizes:
+        data_dir = bl.write_alpaca_jsonl(work, n)
+        mb = bl.data_bytes(data_dir) / 1e6
+        if n == ctx["records"]:
+            point = {"ours": ing.get("ours"), "eager": b2.get("eager"), "hf_stream": ing.get("hf_stream")}
+        else:
+            print(f"  B3 {n} records ({mb:.1f} MB) ...", flush=True)
+            point = {
+                "ours": bl.repeat_system("ours", ingest.ours_params(data_dir, cpus), reps, **kw),
+                "eager": bl.repeat_system("eager", {"tokenizer": str(bl.GPT2), "data": str(data_dir), "num_proc": cpus,
+                                                    "tmp": str(work / "tmp")}, reps,
+                                          env={"RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}, **kw),
+                "hf_stream": bl.repeat_system("hf_stream", {"tokenizer": str(bl.GPT2), "data": str(data_dir)}, reps,
+                                              env={"RAYON_NUM_THREADS": str(cpus)}, **kw),
+            }
+        out["points"][str(n)] = {"mb": mb, **{k: v or {"error": NA} for k, v in point.items()}}
+    out["marginal"] = marginal_rates(out)
+    # What a tokenizer actor pays before its first batch: imports + tokenizer load, in a fresh process.
+    for label, env in (("as configured", {}), ("USE_TORCH=0", {"USE_TORCH": "0", "USE_TF": "0", "USE_FLAX": "0"})):
+        out.setdefault("actor_start", {})[label] = bl.run_system("load", {"tokenizer": str(bl.GPT2)}, env=env, **kw)
+    return out
+
+
+def marginal_rates(b3: dict[str, Any]) -> dict[str, float]:
+    """Steady-state rate as the slope between the two largest sizes: extra tokens / extra seconds.
+
+    Fixed costs (imports, actor start-up, first-unit latency) cancel out, and so does a burst of rows
+    after a late first row, which makes "after the first row" rates unreliable on small data.
+    """
+    out = {}
+    a, b = (b3["points"][str(n)] for n in b3["sizes"][-2:])
+    for key in B3_LABELS:
+        ra, rb = a.get(key) or {}, b.get(key) or {}
+        if "error" in ra or "error" in rb or not ra.get("total_s") or not rb.get("total_s"):
+            continue
+        dt_s, dtok = rb["total_s"] - ra["total_s"], rb["tokens"] - ra["tokens"]
+        if dt_s > 0 and dtok > 0:
+            out[key] = dtok / dt_s
+    return out
+
+
+B3_LABELS = {"ours": "ours build_dataset (default)", "eager": "eager map(num_proc=2)+FFD", "hf_stream": "HF streaming"}
+
+
+def b3_md(b3: dict[str, Any]) -> str:
+    sizes = b3["sizes"]
+    rows = []
+    for sys_key, label in B3_LABELS.items():
+        for i, n in enumerate(sizes):
+            p = b3["points"][str(n)]
+            r = p[sys_key]
+            mult = f"{round(n / sizes[0])}x"
+            if "error" in r:
+                rows.append([label, mult, n, p["mb"], NA, "-", "-", "-", "-", r["error"][:120]])
+                continue
+            base = b3["points"][str(sizes[0])][sys_key]
+            growth = ""
+            if i and "error" not in base and base.get("ttfb_s") and base.get("peak_rss_mb"):
+                growth = f"TTFB x{r['ttfb_s'] / base['ttfb_s']:.2f}, RSS x{r['peak_rss_mb'] / base['peak_rss_mb']:.2f} vs 1x"
+            rows.append([label, mult, n, p["mb"], r.get("ttfb_s"), r.get("cold_ttfb_s"), r.get("init_s"),
+                         r.get("peak_rss_mb"), r.get("baseline_rss_mb"), growth])
+    table = bl.md_table(["system", "size", "records", "MB", "first row s (after init)", "first row s (from process start)",
+                         "init s", "peak RSS MB (tree)", "RSS after init MB", "growth"], rows)
+    load_rows = []
+    for label, r in (b3.get("actor_start") or {}).items():
+        if "error" in r:
+            load_rows.append([label, NA, "-", "-", "-", "-", r["error"][:120]])
+            continue
+        load_rows.append([label, r["pipelines_import_s"], r["transformers_import_s"], r["from_pretrained_s"],
+                          r["tokenizers_only_s"], "yes" if r["torch_imported"] else "no", ""])
+    if load_rows:
+        table += ("\n\nCold start of one tokenizer process (what each tokenizer actor pays before its first batch; "
+                  "peers pay it once, before their clock starts):\n\n" + bl.md_table(
+                      ["environment", "import pipelines.tokenize s", "import transformers s", "AutoTokenizer.from_pretrained s",
+                       "tokenizers.Tokenizer.from_file alone s", "torch imported", ""], load_rows))
+    marg = b3.get("marginal", {})
+    text = ", ".join(f"{B3_LABELS[k]} {bl.fmt_rate(v)} tok/s" for k, v in marg.items())
+    return table + f"\n\nMarginal rate between the two largest sizes (extra tokens / extra seconds): {text or NA}."
+
+
+# --------------------------------------------------------------------------- B5-B7 (external scripts)
+
+
+def run_external(script: str, ctx: dict[str, Any]) -> dict[str, Any]:
+    path = bl.BENCH_DIR / script
+    if not path.is_file():
+        return {"status": NA, "why": f"benchmarks/{script} is not there yet"}
+    cmd = [bl.PY, str(path)] + (["--quick"] if ctx["quick"] else [])
+    env = {**os.environ, **bl.CHILD_ENV, "PYTHONPATH": os.pathsep.join([str(bl.ROOT), str(bl.BENCH_DIR)])}
+    timeout = ctx["external_timeout"]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=bl.ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+                              start_new_session=True)
+    except subprocess.TimeoutExpired:
+        return {"status": NA, "why": f"benchmarks/{script} ran past {timeout:.0f} s"}
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        err = (proc.stderr or proc.stdout).strip().splitlines()
+        if ctx["quick"] and proc.returncode == 2 and "unrecognized arguments" in proc.stderr:
+            return {"status": NA, "why": f"benchmarks/{script} has no --quick mode (not run in --quick)"}
+        return {"status": NA, "why": f"benchmarks/{script} failed (exit {proc.returncode}): {' | '.join(err[-4:])[-400:]}"}
+    lines = proc.stdout.splitlines()
+    parsed, text = [], []
+    for ln in lines:
+        tag = next((t for t in RESULT_TAGS if ln.startswith(t)), None)
+        if tag:
+            try:
+                parsed.append(json.loads(ln[len(tag):]))
+                continue
+            except json.JSONDecodeError:
+                pass
+        text.append(ln)
+    return {"status": "ok", "wall_s": wall, "stdout": "\n".join(text), "results": parsed}
+
+
+def external_md(r: dict[str, Any]) -> str:
+    if r.get("status") != "ok":
+        return f"{NA}: {r.get('why', '')}"
+    text = r["stdout"].rstrip()
+    table = [ln for ln in text.splitlines() if ln.lstrip().startswith("|")]
+    other = [ln for ln in text.splitlines() if not ln.lstrip().startswith("|")][-40:]
+    parts = []
+    if table:
+        parts.append("\n".join(table))
+    if other:
+        parts.append("```\n" + "\n".join(other) + "\n```")
+    parts.append(f"(ran in {r['wall_s']:.0f} s)")
+    return "\n\n".join(parts)
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def make_plots(ctx: dict[str, Any], plot_dir: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as err:
+        print(f"  plots: {NA} (matplotlib: {err})")
+        return []
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    made = []
+    for name, fn in (("b2_throughput.png", _plot_b2), ("b3_ttfb_rss.png", _plot_b3), ("b4_packing.png", _plot_b4),
+                     ("b4_row_lengths.png", _plot_hist)):
+        try:
+            fig = fn(plt, ctx)
+        except Exception as err:
+            print(f"  plot {name}: {NA} ({type(err).__name__}: {err})")
+            continue
+        if fig is None:
+            continue
+        fig.savefig(plot_dir / name, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        made.append(name)
+    return made
+
+
+def _plot_b2(plt: Any, ctx: dict[str, Any]) -> Any:
+    systems = [(label, r) for label, r in b2_systems(ctx) if "error" not in r]
+    if not systems:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(systems) + 1.8))
+    ys = range(len(systems))
+    ax.barh([y + 0.2 for y in ys], [r["steady_tok_s"] / 1e6 for _, r in systems], height=0.4, label="steady state")
+    ax.barh([y - 0.2 for y in ys], [r["e2e_tok_s"] / 1e6 for _, r in systems], height=0.4, label="end to end", alpha=0.6)
+    ax.set_yticks(list(ys), [label for label, _ in systems], fontsize=8)
+    ax.invert_yaxis()
+    ing = ctx["ingest"]
+    for key, style, text in (("raw 2t", "-", "B1 ceiling, 2 threads"), ("raw 1t", "--", "B1, 1 thread")):
+        r = ing.get(key)
+        if r and "error" not in r:
+            ax.axvline(r["steady_tok_s"] / 1e6, color="k", linestyle=style, linewidth=1, label=text)
+    if ing.get("raw 2t") and "error" not in ing["raw 2t"]:
+        ax.axvline(0.8 * ing["raw 2t"]["steady_tok_s"] / 1e6, color="r", linestyle=":", linewidth=1,
+                   label="target: 0.8x ceiling")
+    ax.set_xlabel("M tokens/s (GPT-2, Alpaca, same cores)")
+    ax.set_title(f"B2 ingest throughput, {ctx['records']} records, {ctx['cpus']} CPUs")
+    ax.legend(fontsize=7, loc="lower right")
+    return fig
+
+
+def _plot_b3(plt: Any, ctx: dict[str, Any]) -> Any:
+    b3 = ctx["results"].get("B3")
+    if not b3 or "points" not in b3:
+        return None
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label in B3_LABELS.items():
+        xs, ttfb, cold, rss = [], [], [], []
+        for n in b3["sizes"]:
+            p = b3["points"][str(n)]
+            r = p[key]
+            if "error" in r:
+                continue
+            xs.append(p["mb"])
+            ttfb.append(r["ttfb_s"])
+            cold.append(r.get("cold_ttfb_s"))
+            rss.append(r["peak_rss_mb"])
+        if xs:
+            line = a1.plot(xs, ttfb, marker="o", label=f"{label}, after init")[0]
+            if all(c is not None for c in cold):
+                a1.plot(xs, cold, marker="x", linestyle="--", color=line.get_color(), label=f"{label}, from process start")
+            a2.plot(xs, rss, marker="o", label=label)
+    from matplotlib.ticker import NullFormatter
+
+    for ax, yl in ((a1, "time to first row, s"), (a2, "peak RSS of the process tree, MB")):
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("data size, MB (log)")
+        ax.set_ylabel(yl)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("B3 time to first row and peak memory vs data size")
+    return fig
+
+
+def _plot_b4(plt: Any, ctx: dict[str, Any]) -> Any:
+    b4 = ctx["results"].get("B4")
+    if not b4 or not b4.get("rows"):
+        return None
+    combos = sorted({(r["dataset"], r["tokenizer"]) for r in b4["rows"]})
+    fig, axes = plt.subplots(1, len(combos), figsize=(5 * len(combos), 4), squeeze=False)
+    strategies = packing_bench.STRATEGIES
+    width = 0.8 / len(strategies)
+    for ax, (d, t) in zip(axes[0], combos, strict=True):
+        for j, s in enumerate(strategies):
+            pts = [(r["sequence_len"], r["efficiency"]) for r in b4["rows"]
+                   if r["dataset"] == d and r["tokenizer"] == t and r["strategy"] == s]
+            xs = [packing_bench.SEQ_LENS.index(x) + (j - (len(strategies) - 1) / 2) * width for x, _ in pts]
+            ax.bar(xs, [100 * e for _, e in pts], width=width, label=s)
+        ax.axhline(98, color="r", linestyle=":", linewidth=1)
+        ax.set_xticks(range(len(packing_bench.SEQ_LENS)), [str(x) for x in packing_bench.SEQ_LENS])
+        ax.set_ylim(85, 100.5)
+        ax.set_xlabel("sequence_len")
+        ax.set_ylabel("packing efficiency, %")
+        ax.set_title(f"{d} / {t}", fontsize=9)
+    axes[0][0].legend(fontsize=7, loc="lower left")
+    fig.suptitle("B4 packing efficiency (red: 98% target)")
+    return fig
+
+
+def _plot_hist(plt: Any, ctx: dict[str, Any]) -> Any:
+    b4 = (ctx["results"].get("B4") or {}).get("rows") or []
+    pick = [r for r in b4 if r["dataset"] == "alpaca_en_demo" and r["tokenizer"] == "gpt2" and r["sequence_len"] == 2048
+            and r["strategy"] in (packing_bench.BFD_DEFAULT, packing_bench.GREEDY, packing_bench.BFD_SMALL)]
+    ours = (ctx["ingest"].get("ours") or {}).get("row_lengths")
+    if not pick and not ours:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bins = range(0, 2048 + 65, 64)
+    if ours:
+        ax.hist(ours, bins=bins, alpha=0.5, density=True, label=f"build_dataset rows (B2, {len(ours)} rows)")
+    for r in pick:
+        ax.hist(r["row_lengths"], bins=bins, histtype="step", density=True, linewidth=1.5,
+                label=f"{r['strategy']} (B4, {r['rows']} rows)")
+    ax.set_xlabel("packed row length, tokens (sequence_len 2048, GPT-2, Alpaca)")
+    ax.set_ylabel("share of rows (density)")
+    ax.legend(fontsize=7, loc="upper left")
+    ax.set_title("Packed-row length histogram")
+    return fig
+
+
+# --------------------------------------------------------------------------- targets + report
+
+
+def target_rows(ctx: dict[str, Any]) -> list[list[str]]:
+    ing, res = ctx["ingest"], ctx["results"]
+    rows = []
+    ours = ing.get("ours") or {}
+    best = ing.get("ours_best")
+    ours_best = ing.get("ours_sweep", {}).get(best) if best else None
+    ceiling = ing.get("raw 2t")
+    peer_label, peer = best_peer(ctx)
+
+    def status(v: float | None, ok: bool) -> str:
+        return NA if v is None else ("met" if ok else "MISSED")
+
+    pools = [("default pool", ours)] + ([(f"best pool: {best}", ours_best)] if best and best != "default" else [])
+    for tag, r in pools:
+        if not r or "error" in r:
+            rows.append(["B2", f"ours ({tag}) >= 1.0x best peer, >= 0.8x B1", NA, NA])
+            continue
+        b = ingest.burst(r, ceiling)
+        for what, other, target in ((f"best peer ({peer_label})", peer, 1.0),
+                                    ("HF streaming (issue 2)", ing.get("hf_stream"), 1.0),
+                                    ("B1 ceiling at 2 threads", ceiling, 0.8)):
+            st, e2e = ingest.ratio(r, other), ingest.ratio(r, other, "e2e_tok_s")
+            text = f"steady {st:.2f}x{' (burst)' if b else ''}, end to end {e2e:.2f}x" if st and e2e else NA
+            ok = bool(st and st >= target) and not b
+            rows.append(["B2", f"ours ({tag}) steady >= {target}x {what}", text,
+                         "burst: see marginal rate" if b and st else status(st, ok)])
+        if tag == "default pool":
+            t = r.get("ttfb_s")
+            rows.append(["B2", "first packed row <= ray.init + 2 s (issue 2)",
+                         f"{t:.2f} s after ray.init ({r.get('init_s', 0):.2f} s)" if t is not None else NA,
+                         status(t, t is not None and t <= 2.0)])
+    marginal = (res.get("B3") or {}).get("marginal", {})
+    if "ours" in marginal:
+        m, mh = marginal["ours"], marginal.get("hf_stream")
+        c = ceiling["steady_tok_s"] if ceiling and "error" not in ceiling else None
+        rows.append(["B2/B3", "ours marginal rate (B3 slope between the two largest sizes: start-up excluded) "
+                     ">= 1.0x HF streaming's",
+                     f"{m / mh:.2f}x ({bl.fmt_rate(m)} vs {bl.fmt_rate(mh)} tok/s)" if mh else NA,
+                     status(mh, bool(mh and m / mh >= 1.0))])
+        rows.append(["B2/B3", "ours marginal rate >= 0.8x B1 ceiling at 2 threads",
+                     f"{m / c:.2f}x" if c else NA, status(c, bool(c and m / c >= 0.8))])
+    b3 = res.get("B3")
+    if b3 and "points" in b3:
+        s = b3["sizes"]
+        a, z = b3["points"][str(s[0])]["ours"], b3["points"][str(s[-1])]["ours"]
+        if "error" not in a and "error" not in z:
+            gt, gr = z["ttfb_s"] / a["ttfb_s"], z["peak_rss_mb"] / a["peak_rss_mb"]
+            rows.append(["B3", "ours flat in data size: 16x <= 1.2x of 1x (first row, peak RSS)",
+                         f"first row x{gt:.2f}, peak RSS x{gr:.2f}", "met" if gt <= 1.2 and gr <= 1.2 else "MISSED"])
+        e1, e16 = b3["points"][str(s[0])]["eager"], b3["points"][str(s[-1])]["eager"]
+        if "error" not in e1 and "error" not in e16:
+            rows.append(["B3", "eager path grows with data (reference)",
+                         f"first row x{e16['ttfb_s'] / e1['ttfb_s']:.2f}, peak RSS x{e16['peak_rss_mb'] / e1['peak_rss_mb']:.2f}",
+                         "-"])
+    b4 = (res.get("B4") or {}).get("rows") or []
+    for seq in packing_bench.SEQ_LENS:
+        sel = {r["strategy"]: r for r in b4 if r["dataset"] == "alpaca_en_demo" and r["tokenizer"] == "gpt2"
+               and r["sequence_len"] == seq}
+        bfd, ffd = sel.get(packing_bench.BFD_DEFAULT), sel.get(packing_bench.FFD)
+        if bfd and ffd:
+            gap = 100 * (ffd["efficiency"] - bfd["efficiency"])
+            ok = bfd["efficiency"] >= 0.98 and bfd["split_share"] == 0 and gap <= 1.0
+            rows.append(["B4", f"bfd >= 98%, 0 split, within 1 pt of whole-dataset FFD (Alpaca, GPT-2, seq {seq})",
+                         f"{100 * bfd['efficiency']:.2f}% (FFD {100 * ffd['efficiency']:.2f}%, gap {gap:.2f} pt)",
+                         "met" if ok else "MISSED"])
+    rows += _b5_rows(res.get("B5") or {})
+    for key, target in (("B6", "MDS read >= 1.0x mosaic StreamingDataset"), ("B7", "resume at 90% <= 1.2x at 10%")):
+        r = res.get(key) or {}
+        rows.append([key, target, "see section" if r.get("status") == "ok" else NA,
+                     "see section" if r.get("status") == "ok" else NA])
+    return rows
+
+
+def _b5_rows(r: dict[str, Any]) -> list[list[str]]:
+    """B5 targets from train_stall.py's RESULT line (keys: build_dataset.data_wait_pct, ratio)."""
+    target = "data wait < 5% of step time, >= 0.95x synthetic steps/s"
+    if r.get("status") != "ok":
+        return [["B5", target, NA, NA]]
+    try:
+        last = r["results"][-1]
+        wait, ratio = float(last["build_dataset"]["data_wait_pct"]), float(last["ratio"])
+    except (IndexError, KeyError, TypeError, ValueError):
+        return [["B5", target, "see section", "see section"]]
+    return [["B5", "data wait < 5% of step time", f"{wait:.2f}%", "met" if wait < 5 else "MISSED"],
+            ["B5", ">= 0.95x synthetic steps/s", f"{ratio:.3f}x", "met" if ratio >= 0.95 else "MISSED"]]
+
+
+def notes(ctx: dict[str, Any]) -> list[str]:
+    """Known causes behind the numbers, filled in from this run (edit freely after a full run)."""
+    ours = ctx["ingest"].get("ours") or {}
+    if not ours or "error" in ours:
+        return []
+    out = ["Notes from this run:", ""]
+    if ours.get("ttfb_s") is not None:
+        out.append(f"- ours' first row came {ours['ttfb_s']:.2f} s after `ray.init` ({ours['init_s']:.2f} s). It needs the "
+                   "tokenizer actor started (a new worker process that imports transformers and loads the tokenizer) and "
+                   "one whole packing unit (min(`data.pack_buffer_size`, records in the file) = 999 records here) read, "
+                   "tokenized and packed. Ray Data's per-operator times of each run are in results.json (`ray_data_stats`); "
+                   "the arrival times of the batches are in `timeline`.")
+    if ours.get("baseline_rss_mb"):
+        out.append(f"- ours' peak RSS counts the whole Ray tree: {ours['baseline_rss_mb']:.0f} MB of it is there right after "
+                   "`ray.init`, before any data (GCS, raylet, agents, idle workers); see `RSS after init` in B3.")
+    if ingest.burst(ours, ctx["ingest"].get("raw 2t")):
+        out.append("- ours' steady rate after the first row is above the tokenizer's own ceiling: the rows came in a "
+                   "burst after a late first row, so it is not a steady state; the marginal rate (B3 slope) is the "
+                   "start-up-free number.")
+    return out + [""]
+
+
+def write_report(ctx: dict[str, Any], out_md: Path, plots: list[str], plot_rel: str) -> None:
+    res, ing = ctx["results"], ctx["ingest"]
+    d = ing.get("_data", {})
+    m, v = ctx["machine"], bl.versions()
+    mode = "--quick (tiny data, 1 repeat: smoke test, not for quoting)" if ctx["quick"] else "full"
+    lines = [
+        "# Benchmarks",
+        "",
+        *(["> DRAFT from `--quick` (tiny data, one repeat, possibly a busy machine): a smoke test of the tables, "
+           f"not numbers to quote. The real ones come from `{FULL_CMD}` on a quiet machine.", ""] if ctx["quick"] else []),
+        f"Produced by: `{ctx['command']}` ({mode}); the numbers below are from that one run.",
+        f"Full run: `{FULL_CMD}` (about 15 min on 2 cores; rewrites this file and `benchmarks/results/*.png`). "
+        "Smoke test: `.venv/bin/python benchmarks/run.py --quick` (< 3 min, writes to a temp dir). "
+        "Issue 2's stand-alone ingest table: `.venv/bin/python benchmarks/ingest.py`.",
+        "",
+        f"- date: {ctx['started']} (run took {ctx['elapsed'] / 60:.1f} min)",
+        f"- machine: {m['cpus']} CPUs ({m['cpus_usable']} usable; {m['cpu_model']}), {m['memory_gib']} GiB RAM, "
+        f"{m['platform']}, Python {m['python']}; load average at start {m['load_avg']}, at end {ctx['load_end']}",
+        f"- every system gets the same {ctx['cpus']} CPUs (Ray: `num_cpus={ctx['cpus']}`; peers: 2 workers / processes / threads)",
+        "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
+        f"- data (B1-B3): the real Alpaca demo (`../shared/data/sft/alpaca_en_demo.json`, 999 records, 0.86 MB) "
+        f"replicated to {d.get('records')} records = {d.get('bytes', 0) / 1e6:.1f} MB, as {d.get('files')} "
+        "JSONL shards of one copy each; every system formats records with the same Alpaca prompt "
+        "(`pipelines.formats`) + EOS. B4: the Alpaca demo and LIMA as they are.",
+        "- tokenizers: GPT-2 (`../shared/data/tokenizers/gpt2`) everywhere; SmolLM2-135M-Instruct too in B4",
+        f"- repeats: median of {ctx['repeats']} runs per system (each run a fresh process; B1: median of passes); "
+        "pool-sweep settings other than the default and the best: 1 run each",
+        "- timing: `init` = framework start-up (`ray.init`); `first row (after init)` = from the start of data work to the "
+        "first (packed) row in the consumer's hands (peers have loaded their tokenizer before it; ours loads it in the "
+        "tokenizer actors, after it); `first row (from process start)` = the same from the launch of the process, "
+        "imports, tokenizer loading and init included (the fair cold-start comparison); steady state = tokens after the first batch / time after it; "
+        "peak RSS = summed RSS of the whole process tree (Ray's GCS, raylet and workers included; shared pages "
+        "count once per process, so it is an upper bound and is large for Ray)",
+        "- peers do less work than ours: no label masks, and no packing except the eager path, so ratios in our "
+        "favour are conservative",
+        "- CPU s / M tok: user+system CPU of the whole process tree (start-up included) per million tokens "
+        "delivered; less sensitive to other load on the machine than wall-clock rates",
+        "",
+        "## Targets",
+        "",
+        bl.md_table(["id", "target", "measured", "status"], target_rows(ctx)),
+        "",
+        "A MISSED target keeps its number here; the gap and its cause belong next to it (edit after a full run).",
+        "",
+        *notes(ctx),
+        "## B1 tokenizer ceiling: `encode_batch` alone",
+        "",
+        b1_md(res.get("B1") or {}),
+        "",
+        "## B2 ingest: read -> format -> tokenize -> pack -> rows (consumer does nothing)",
+        "",
+        b2_md(ctx) if "B2" in res else f"{NA}: {res.get('B2_error', '')}",
+        "",
+        f"### Tokenizer pool settings for `build_dataset` (default: {ingest.describe_default_pool(ctx['cpus'])})",
+        "",
+        sweep_md(ctx),
+        "",
+        "## B3 time to first row and peak RSS vs data size",
+        "",
+        b3_md(res["B3"]) if "B3" in res and "sizes" in res["B3"] else f"{NA}: {res.get('B3_error', '')}",
+        "",
+        "## B4 packing efficiency, truncated / dropped / split samples",
+        "",
+        "Strategies: " + "; ".join(packing_bench.STRATEGIES) + ". Efficiency = tokens in rows / (rows x sequence_len). "
+        "`truncated`: samples longer than sequence_len, cut (default `oversize: truncate`); `dropped`: left without "
+        "trained tokens after the cut; `split`: samples spread over more than one row (concat only).",
+        "",
+    ]
+    b4 = res.get("B4") or {}
+    for dname in sorted({r["dataset"] for r in b4.get("rows", [])}):
+        lines += [f"### {dname}", "", bl.md_table(*packing_bench.b4_table(b4, dname)), ""]
+    lines += [f"- {e}" for e in b4.get("errors", [])] + ([""] if b4.get("errors") else [])
+    if not b4.get("rows"):
+        lines += [f"{NA}: {res.get('B4_error', '')}", ""]
+    for key, title in (("B5", "B5 data-wait fraction while training (`benchmarks/train_stall.py`)"),
+                       ("B6", "B6 MDS read (`benchmarks/mds_read.py`)"),
+                       ("B7", "B7 resume latency (`benchmarks/resume.py`)")):
+        lines += [f"## {title}", "", external_md(res.get(key) or {"why": "not run (--only / --skip)"}), ""]
+    lines += ["## Plots", ""]
+    lines += [f"![{p}]({plot_rel}/{p})" for p in plots] or [f"{NA} (matplotlib missing)"]
+    lines.append("")
+    out_md.write_text("\n".join(lines), encoding="utf-8")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _strip(obj: Any) -> Any:
+    """results.json without the long per-row length lists."""
+    if isinstance(obj, dict):
+        return {k: _strip(v) for k, v in obj.items() if k not in ("row_lengths",)}
+    if isinstance(obj, list):
+        return [_strip(x) for x in obj]
+    return obj
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Run B1-B7 and write BENCHMARKS.md + plots")
+    ap.add_argument("--quick", action="store_true", help="tiny data, 1 repeat, < 3 min; writes to a temp dir unless --out")
+    ap.add_argument("--out", type=Path, help="write BENCHMARKS.md, results/*.png and results.json here instead")
+    ap.add_argument("--repeats", type=int, help="runs per system (default 3, quick 1)")
+    ap.add_argument("--records", type=int, help=f"B2 data size in records (default {ingest.FULL_RECORDS}, quick 999)")
+    ap.add_argument("--cpus", type=int, default=min(2, os.cpu_count() or 2), help="CPUs per system (default 2)")
+    ap.add_argument("--work", type=Path, help="data/cache dir (default benchmarks/.work; quick: inside --out)")
+    ap.add_argument("--no-sweep", action="store_true", help="only the default tokenizer pool in B2")
+    ap.add_argument("--only", default="B1,B2,B3,B4,B5,B6,B7", help="comma-separated subset (B1 and B2 share the ingest run)")
+    ap.add_argument("--skip", default="", help="comma-separated benchmarks not to run, e.g. B5,B6 (reported as not run)")
+    ap.add_argument("--external-timeout", type=float, help="seconds for each of B5-B7's scripts (default 300, quick 150)")
+    args = ap.parse_args(argv)
+
+    t_start = time.perf_counter()
+    if args.out:
+        out_dir = args.out.resolve()
+    elif args.quick:
+        out_dir = Path(tempfile.mkdtemp(prefix="bench-quick-"))
+    else:
+        out_dir = bl.ROOT
+    if out_dir == bl.ROOT:  # the repository's own BENCHMARKS.md and benchmarks/results/
+        out_md, plot_dir, plot_rel = bl.ROOT / "BENCHMARKS.md", bl.BENCH_DIR / "results", "benchmarks/results"
+        work = args.work or bl.DEFAULT_WORK
+    else:
+        out_md, plot_dir, plot_rel = out_dir / "BENCHMARKS.md", out_dir / "results", "results"
+        work = args.work or out_dir / ".work"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    only = {x.strip().upper() for x in args.only.split(",")} - {x.strip().upper() for x in args.skip.split(",")}
+    ctx: dict[str, Any] = {
+        "quick": args.quick, "cpus": args.cpus, "work": work, "logs": work / "logs",
+        "repeats": args.repeats or (1 if args.quick else 3),
+        "records": args.records or (999 if args.quick else ingest.FULL_RECORDS),
+        "external_timeout": args.external_timeout or (150 if args.quick else 300),
+        "machine": bl.machine_info(), "started": dt.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join([".venv/bin/python", "benchmarks/run.py", *(argv if argv is not None else sys.argv[1:])]),
+        "results": {}, "ingest": {},
+    }
+    res = ctx["results"]
+    print(f"benchmarks: {'quick' if args.quick else 'full'}, {ctx['records']} records, {ctx['cpus']} CPUs, "
+          f"{ctx['repeats']} repeat(s); output {out_md}", flush=True)
+
+    def section(key: str, fn: Any) -> None:
+        if key not in only:
+            return
+        t0 = time.perf_counter()
+        print(f"{key} ...", flush=True)
+        try:
+            res[key] = fn(ctx)
+        except Exception as err:
+            traceback.print_exc()
+            res[f"{key}_error"] = f"{type(err).__name__}: {err}"
+        print(f"{key} done in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    if not bl.shared_available():
+        print(f"{NA}: real data not found under {bl.SHARED}; B1-B4 skipped")
+        only -= {"B1", "B2", "B3", "B4"}
+    if only & {"B1", "B2", "B3"}:
+        only.add("ingest")
+
+        def _ingest(c: dict[str, Any]) -> dict[str, Any]:
+            sweep = ["default"] if args.no_sweep or "B2" not in only else (
+                ingest.QUICK_POOL_SETTINGS[:1] if args.quick else list(ingest.POOL_SETTINGS))
+            c["ingest"] = ingest.run_ingest(work, c["records"], c["repeats"], c["cpus"], sweep, c["logs"],
+                                            with_local=not args.quick)
+            return {"ok": True}
+        section("ingest", _ingest)
+        if "B1" in only:
+            section("B1", run_b1)
+        if "B2" in only:
+            section("B2", run_b2)
+        if "B3" in only:
+            section("B3", run_b3)
+    section("B4", lambda c: packing_bench.run_b4(quick=c["quick"]))
+    section("B5", lambda c: run_external("train_stall.py", c))
+    section("B6", lambda c: run_external("mds_read.py", c))
+    section("B7", lambda c: run_external("resume.py", c))
+
+    ctx["elapsed"] = time.perf_counter() - t_start
+    ctx["load_end"] = [round(x, 2) for x in os.getloadavg()]
+    plots = make_plots(ctx, plot_dir)
+    write_report(ctx, out_md, plots, plot_rel)
+    results_json = (plot_dir / "results.json")
+    res.pop("ingest", None)  # the section's status; the ingest results themselves are ctx["ingest"]
+    results_json.write_text(json.dumps(_strip({"machine": ctx["machine"], "versions": bl.versions(), **res,
+                                                "ingest": ctx["ingest"]}), indent=1, default=str))
+    print(f"\nwrote {out_md}, {len(plots)} plots and results.json under {plot_dir} "
+          f"in {(time.perf_counter() - t_start) / 60:.1f} min\n")
+    print(out_md.read_text(encoding="utf-8"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
