@@ -232,7 +232,7 @@ class FeederClient:
 
 
 def start_feeder(cfg: Config, world_size: int, rows_per_rank: int, state: dict | None,
-                 ledger_root: str | None) -> Any:
+                 ledger_root: str | None, epochs: int | None = None) -> Any:
     """Create the feeder actor (rank 0 does this; it dies with rank 0's worker group)."""
-    return DataFeeder.remote(dump_config(cfg), cfg.base_dir, world_size, rows_per_rank, cfg.train.epochs,
-                             state, ledger_root)
+    return DataFeeder.remote(dump_config(cfg), cfg.base_dir, world_size, rows_per_rank,
+                             cfg.train.epochs if epochs is None else epochs, state, ledger_root)

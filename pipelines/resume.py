@@ -108,7 +108,7 @@ class Ledger:
     def write(self, entries: list[LedgerEntry]) -> None:
         """Write entries (one epoch or several) as one file per epoch named by their step range."""
         by_epoch: dict[int, list[LedgerEntry]] = {}
-        for e in entries:
+        for e in sorted(entries, key=lambda e: e.step):
             by_epoch.setdefault(e.epoch, []).append(e)
         for epoch, group in by_epoch.items():
             d = self._epoch_dir(epoch)

@@ -1,0 +1,252 @@
+"""The Ray Train ``train_loop_per_worker``: streams the dataset shard through :func:`train_step`.
+
+Per worker::
+
+    init process group + DeepSpeed engine          (step.py)
+    restore checkpoint per run.resume              (checkpoint.py)
+    for each epoch: shard.iter_torch_batches(collate_fn=PackedCollate)  -- nothing is materialized
+        train_step -> log every log_every_steps, eval every eval_every_steps,
+                      checkpoint every checkpoint_every_steps
+    final checkpoint, final eval, HF export, summary
+
+Stopping rule: with ``train.max_steps`` the loop stops there and re-reads the stream (a new epoch)
+whenever it ends first; without it, after ``train.epochs`` passes. ``train_step`` ends an epoch on all
+ranks at the same step, so uneven shards never leave a rank waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from pipelines.config import Config, config_from_dict
+from pipelines.train.checkpoint import TrainerState, checkpoint_dir_name, report_checkpoint, restore
+from pipelines.train.export import export_hf_model
+from pipelines.train.faults import maybe_fail
+from pipelines.train.feed import StepFeed, share_feeder
+from pipelines.train.metrics import MetricsWriter, Window, format_line
+from pipelines.train.step import (
+    BatchSource,
+    TrainEngine,
+    all_reduce_sum,
+    build_engine,
+    evaluate,
+    init_distributed,
+    train_step,
+)
+from pipelines.train.storage import OutputDir, is_remote, run_dir, storage_filesystem
+
+
+def payload(cfg: Config, fit_id: str, has_eval: bool, feed: bool = False) -> dict[str, Any]:
+    """What the driver sends each worker (plain data: the config is rebuilt and re-validated there).
+
+    ``feed``: the training rows come from the exactly-once feeder (:mod:`pipelines.train.feed`)
+    rather than a Ray Data shard passed to the trainer.
+    """
+    return {"cfg": cfg.model_dump(mode="json"), "base_dir": cfg.base_dir, "source": cfg.source,
+            "fit_id": fit_id, "has_eval": has_eval, "feed": feed}
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Entry point Ray Train runs on every worker."""
+    import ray.train
+
+    cfg = config_from_dict(config["cfg"], source=config.get("source"), base_dir=config.get("base_dir"))
+    device = None
+    if cfg.scaling.use_gpu:
+        import ray.train.torch
+
+        device = ray.train.torch.get_device()
+    init_distributed(cfg.scaling.use_gpu, device)
+    te = build_engine(cfg)
+    state = restore(te, cfg.run.resume, config["fit_id"])
+    eval_shard = ray.train.get_dataset_shard("eval") if config.get("has_eval") else None
+    if config.get("feed"):
+        rows_per_rank = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps
+        feeder = share_feeder(cfg, te.rank, te.world_size, rows_per_rank, state.data_state or None,
+                              f"{run_dir(cfg)}/ledger")
+        train = StepFeed(feeder, te.rank, cfg.train.micro_batch_size, te.collate_fn())
+    else:
+        train = ray.train.get_dataset_shard("train")
+    WorkerLoop(cfg, te, state, train, eval_shard).run()
+
+
+class WorkerLoop:
+    """The epoch/step loop of one worker and its periodic side jobs (log, eval, checkpoint)."""
+
+    def __init__(self, cfg: Config, te: TrainEngine, state: TrainerState, train_shard, eval_shard=None):
+        self.cfg, self.te, self.state = cfg, te, state
+        self.train_shard, self.eval_shard = train_shard, eval_shard
+        self.run_dir = run_dir(cfg)
+        fs = storage_filesystem(cfg)
+        self.out = OutputDir(self.run_dir, fs) if te.rank == 0 else None
+        self.metrics = MetricsWriter(self.out)
+        self.window = Window()
+        self.last_record: dict[str, Any] = {}
+        self.last_eval: dict[str, Any] = {}
+        self.last_checkpoint: str | None = None
+        self.checkpointed_step = -1
+        self.steps_this_fit = 0
+        self.fs = fs
+        self.local_run_dir = None if is_remote(self.run_dir) else self.run_dir  # for fault-injection markers
+
+    # ----------------------------------------------------------------- main loop
+
+    def run(self) -> None:
+        t0 = time.time()
+        if self.state.step:  # restored from a checkpoint: mark it in metrics.jsonl
+            self.metrics.write({"kind": "resume", "step": self.state.step, "epoch": self.state.epoch})
+        if self._done():
+            self._print(f"step {self.state.step} already reached the end (train.max_steps/epochs); "
+                        "set run.resume=never or a new run.name to train again")
+        while not self._done():
+            steps = self._epoch()
+            if steps == 0:
+                self._print(f"epoch {self.state.epoch}: the training stream yielded no rows; stopping")
+                break
+            if not self._hit_max_steps():
+                self.state.epoch += 1
+        if self.steps_this_fit and self.checkpointed_step != self.state.step:
+            self._checkpoint()  # always end on a checkpoint, so a re-run resumes (or finds it is done)
+        if self.eval_shard is not None and self.steps_this_fit and self.last_eval.get("step") != self.state.step:
+            self._evaluate()  # final eval, unless eval_every_steps just did it
+        model_path = self._export() if self.cfg.run.export_model else None
+        self._summary(time.time() - t0, model_path)
+        self.metrics.close()
+
+    def _epoch(self) -> int:
+        """One pass over this rank's shard (or until max_steps); returns the optimizer steps taken."""
+        train = self.cfg.train
+        if isinstance(self.train_shard, StepFeed):
+            source = BatchSource(self._feed_batches(self.train_shard))
+        else:
+            source = BatchSource(self._iter(self.train_shard, epoch=self.state.epoch))
+        steps = 0
+        while not self._hit_max_steps():
+            stats = train_step(self.te, source)
+            if stats is None:
+                break
+            steps += 1
+            self.steps_this_fit += 1
+            self.state.step += 1
+            self.state.tokens += stats.tokens
+            self.window.add(stats)
+            step = self.state.step
+            if self.local_run_dir:
+                maybe_fail(step, self.te.rank, self.te.world_size, os.path.join(self.local_run_dir, ".faults"))
+            if step % train.log_every_steps == 0 or self._hit_max_steps():
+                self._log()
+            if train.eval_every_steps and self.eval_shard is not None and step % train.eval_every_steps == 0:
+                self._evaluate()
+            if train.checkpoint_every_steps and step % train.checkpoint_every_steps == 0:
+                self._checkpoint()
+            elif step % train.log_every_steps == 0:
+                self._report()
+        if self.window.steps:
+            self._log()
+        return steps
+
+    @staticmethod
+    def _feed_batches(feed: StepFeed):
+        """Micro-batches of the feeder's step items until the epoch ends: each step item holds exactly
+        ``gradient_accumulation_steps`` micro-batches for this rank (fewer, or none, in an epoch's
+        last step), so :func:`train_step` consumes one item per optimizer step."""
+        while (micro := feed.next_step()) is not None:
+            yield from micro
+
+    def _iter(self, shard, epoch: int | None = None):
+        """Micro-batches of a shard; training (``epoch`` given) gets the optional local shuffle buffer,
+        seeded per epoch and rank, e.g. shuffle_seed 42, epoch 1, rank 0 -> seed 1051."""
+        train = self.cfg.train
+        buffer = train.local_shuffle_buffer_size if epoch is not None else None
+        return shard.iter_torch_batches(
+            batch_size=train.micro_batch_size,
+            collate_fn=self.te.collate_fn(),
+            prefetch_batches=train.prefetch_batches,
+            local_shuffle_buffer_size=max(buffer, train.micro_batch_size) if buffer else None,
+            local_shuffle_seed=self.cfg.data.shuffle_seed + 1009 * epoch + self.te.rank if buffer else None,
+        )
+
+    def _hit_max_steps(self) -> bool:
+        return self.cfg.train.max_steps is not None and self.state.step >= self.cfg.train.max_steps
+
+    def _done(self) -> bool:
+        if self.cfg.train.max_steps is not None:
+            return self._hit_max_steps()
+        return self.state.epoch >= self.cfg.train.epochs
+
+    # ----------------------------------------------------------------- side jobs
+
+    def _log(self) -> None:
+        wait_s, time_s = all_reduce_sum([self.window.wait_s, self.window.time_s], self.te.device)
+        rec = self.window.record(self.state.step, self.state.epoch, self.cfg.data.sequence_len, wait_s, time_s)
+        self.window = Window()
+        self.last_record = rec
+        self._print(format_line(rec, self.cfg.train.max_steps))
+        self.metrics.write(rec)
+
+    def _evaluate(self) -> None:
+        res = evaluate(self.te, self._iter(self.eval_shard), self.cfg.train.eval_max_batches)
+        rec = {"kind": "eval", "step": self.state.step, **res}
+        self._print(f"eval step {self.state.step} | loss {res['eval_loss']:.4f} | "
+                    f"ppl {res['eval_perplexity']:.2f} | tokens {res['eval_tokens']:,}")
+        self.metrics.write(rec)
+        self.last_eval = {**res, "step": self.state.step}
+
+    def _checkpoint(self) -> None:
+        if isinstance(self.train_shard, StepFeed) and self.te.rank == 0:
+            # The data position after the last step, counted in source samples; the feeder also
+            # writes these steps to the ledger.
+            self.state.data_state = self.train_shard.commit()
+        self.metrics.sync()
+        name = report_checkpoint(self.te, self.state, self._report_metrics())
+        self.last_checkpoint = f"{self.run_dir}/{name}"
+        self.checkpointed_step = self.state.step
+        self._print(f"checkpoint step {self.state.step} -> {self.last_checkpoint}")
+
+    def _report_metrics(self) -> dict[str, Any]:
+        """Numbers for ``ray.train.report`` (Result.metrics): the last train window + last eval."""
+        merged = {**self.last_record, **self.last_eval, "step": self.state.step, "epoch": self.state.epoch}
+        return {k: v for k, v in merged.items() if isinstance(v, (int, float))}
+
+    def _report(self) -> None:
+        import ray.train
+
+        ray.train.report(self._report_metrics())
+
+    def _export(self) -> str:
+        out = OutputDir(f"{self.run_dir}/model", self.fs) if self.te.rank == 0 else None
+        export_hf_model(self.te, out)
+        return f"{self.run_dir}/model"
+
+    def _summary(self, wall_s: float, model_path: str | None) -> None:
+        rec = {
+            "kind": "summary",
+            "step": self.state.step,
+            "steps_this_run": self.steps_this_fit,
+            "epochs": self.state.epoch,
+            "tokens": self.state.tokens,
+            "wall_time_s": round(wall_s, 1),
+            "final_loss": self.last_record.get("loss"),
+            "model_path": model_path,
+            "checkpoint_path": self.last_checkpoint or (f"{self.run_dir}/{checkpoint_dir_name(self.state.step)}"
+                                                         if self.state.step else None),
+        }
+        self.metrics.write(rec)
+        if self.out is not None:
+            with open(os.path.join(self.out.local, "summary.json"), "w", encoding="utf-8") as f:
+                json.dump(rec, f, indent=2)
+        self._print(
+            f"done: {rec['step']} steps ({rec['steps_this_run']} this run), {rec['tokens']:,} tokens, "
+            f"{rec['wall_time_s']}s | model: {model_path} | checkpoint: {rec['checkpoint_path']}"
+        )
+
+    def _print(self, line: str) -> None:
+        """Rank 0 prints to the process's real stdout (Ray forwards it to the driver once; the
+        builtin ``print`` is patched by Ray Train V2 and would show each line twice)."""
+        if self.te.rank == 0:
+            print(line, file=sys.__stdout__, flush=True)
+

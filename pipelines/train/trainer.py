@@ -1,0 +1,99 @@
+"""``build_trainer(cfg) -> ray.train.torch.TorchTrainer``: the public entry point for notebooks and jobs.
+
+    cfg = load_config("configs/default.yaml", ["scaling.num_workers=2"])
+    preflight(cfg)                     # cheap checks that need no cluster (the job scripts run it first)
+    trainer = build_trainer(cfg)       # needs Ray (build_dataset creates the lazy ray.data pipeline)
+    result = trainer.fit()
+
+Mapping from the config: ``scaling.*`` -> ``ScalingConfig``; ``run.name``/``run.storage_path`` -> the
+run directory; ``run.max_failures`` -> ``FailureConfig``; ``run.keep_checkpoints`` ->
+``CheckpointConfig(num_to_keep)``. CPU workers use gloo and get ``DS_ACCELERATOR=cpu`` in their
+runtime env; GPU workers use NCCL.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from pipelines.config import Config, ConfigError
+from pipelines.train.deepspeed_config import resolve_deepspeed_config
+from pipelines.train.loop import payload, train_loop_per_worker
+from pipelines.train.storage import is_remote, storage_filesystem, storage_root
+
+if TYPE_CHECKING:
+    import ray.data
+    from ray.train.torch import TorchTrainer
+
+
+def has_eval(cfg: Config) -> bool:
+    """An eval split exists when eval datasets or a held-out fraction are configured."""
+    return bool(cfg.data.eval_datasets or cfg.data.eval_fraction)
+
+
+def preflight(cfg: Config) -> None:
+    """Checks that need no cluster; raises :class:`ConfigError` naming the key."""
+    try:
+        resolve_deepspeed_config(cfg.train, cfg.scaling.num_workers, cfg.scaling.use_gpu, cfg.base_dir)
+    except (ValueError, OSError) as err:
+        raise ConfigError(str(err)) from None
+    if cfg.model.attn_implementation == "flash_attention_2" and not cfg.scaling.use_gpu:
+        raise ConfigError("model.attn_implementation: flash_attention_2 needs scaling.use_gpu=true")
+    resume = cfg.run.resume
+    if resume not in ("auto", "never") and not is_remote(resume) and not os.path.exists(os.path.expanduser(resume)):
+        raise ConfigError(f"run.resume: {resume!r} is neither auto, never nor an existing checkpoint path")
+    if cfg.model.init is None and cfg.model.name_or_path is None:
+        raise ConfigError("model: set model.name_or_path or model.init")
+
+
+def _worker_env(use_gpu: bool) -> dict[str, Any] | None:
+    """Worker environment: DeepSpeed's CPU accelerator on CPU workers, and fault injection for tests."""
+    from pipelines.train.faults import ENV as FAULTS_ENV
+
+    env = {} if use_gpu else {"DS_ACCELERATOR": "cpu"}
+    if os.environ.get(FAULTS_ENV):
+        env[FAULTS_ENV] = os.environ[FAULTS_ENV]
+    return {"env_vars": env} if env else None
+
+
+def build_trainer(
+    cfg: Config,
+    train_dataset: ray.data.Dataset | None = None,
+    eval_dataset: ray.data.Dataset | None = None,
+) -> TorchTrainer:
+    """A ``TorchTrainer`` fed by ``build_dataset(cfg, "train")`` (and ``"eval"``), or by given datasets."""
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    preflight(cfg)
+    feed = train_dataset is None  # the default: exactly-once rows from the feeder, built in the workers
+    if feed and eval_dataset is None and has_eval(cfg):
+        from pipelines.dataset import build_dataset
+
+        eval_dataset = build_dataset(cfg, split="eval")
+    datasets: dict[str, Any] = {} if feed else {"train": train_dataset}
+    if eval_dataset is not None:
+        datasets["eval"] = eval_dataset
+    use_gpu = cfg.scaling.use_gpu
+    run_config = ray.train.RunConfig(
+        name=cfg.run.name,
+        storage_path=storage_root(cfg),
+        storage_filesystem=storage_filesystem(cfg),
+        failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
+        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
+        worker_runtime_env=_worker_env(use_gpu),
+        logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # our own lines, not Ray's per report
+    )
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=payload(cfg, fit_id=uuid.uuid4().hex, has_eval=eval_dataset is not None, feed=feed),
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=cfg.scaling.num_workers,
+            use_gpu=use_gpu,
+            resources_per_worker=cfg.scaling.resources_per_worker,
+        ),
+        run_config=run_config,
+        datasets=datasets or None,
+    )

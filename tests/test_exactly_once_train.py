@@ -1,0 +1,121 @@
+"""Exactly-once training data through Ray Train: failures, SIGKILL, and world-size changes.
+
+Every fit trains a tiny Llama on 600 short question/answer samples (the project's byte-level demo
+tokenizer) with packing on, 2 CPU workers unless said otherwise, and reads the run's ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections import defaultdict
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pytest
+from conftest import write_jsonl
+
+from pipelines.config import config_from_dict
+from pipelines.resume import Ledger, sample_counts
+from pipelines.sources import make_sample_id
+
+N_SAMPLES, N_FILES = 600, 3
+pytestmark = pytest.mark.timeout(900)
+
+
+def _data(tmp_path: Path) -> Path:
+    d = tmp_path / "qa"
+    d.mkdir(exist_ok=True)
+    rng = random.Random(0)
+    words = ["sun", "moon", "river", "stone", "cloud", "tree", "bird", "fire", "snow", "wind"]
+    for f in range(N_FILES):
+        recs = []
+        for i in range(N_SAMPLES // N_FILES):
+            w = " ".join(rng.choice(words) for _ in range(1 + (i + f) % 6))
+            recs.append({"segments": [{"text": f"Q: reverse '{w}'\nA:", "label": False},
+                                      {"text": " " + " ".join(reversed(w.split())), "label": True}]})
+        write_jsonl(d / f"part-{f}.jsonl", recs)
+    return d
+
+
+def _config(tmp_path: Path, name: str, workers: int, **train):
+    raw = {
+        "model": {"tokenizer": "demo://tokenizer",
+                  "init": {"architecture": "llama", "hidden_size": 64, "intermediate_size": 128,
+                           "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 256}},
+        "data": {"sequence_len": 128, "packing": "bfd", "pack_buffer_size": 40, "shuffle_seed": 5,
+                 "datasets": [{"path": str(_data(tmp_path)), "type": "input_output"}],
+                 "tokenize": {"num_actors": 1, "num_cpus": 0.25}},
+        "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "epochs": 1, "learning_rate": 3e-3,
+                  "warmup_steps": 2, "lr_scheduler": "constant", "log_every_steps": 1,
+                  "checkpoint_every_steps": 3, "deepspeed": "zero0", **train},
+        "scaling": {"num_workers": workers, "resources_per_worker": {"CPU": 0.5}},
+        "run": {"name": name, "storage_path": str(tmp_path / "runs"), "max_failures": 2, "export_model": False},
+    }
+    return config_from_dict(raw)
+
+
+def _fit(cfg):
+    from pipelines.train.trainer import build_trainer
+
+    return build_trainer(cfg).fit()
+
+
+def _ledger(tmp_path: Path, name: str):
+    return Ledger(pafs.LocalFileSystem(), str(tmp_path / "runs" / name / "ledger")).entries(0)
+
+
+def _losses(tmp_path: Path, name: str) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = defaultdict(list)
+    for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("kind") == "train":
+            out[rec["step"]].append(rec["loss"])
+    return out
+
+
+def _assert_exactly_once(entries) -> None:
+    counts = sample_counts(entries)
+    expected = {make_sample_id(f, i) for f in range(N_FILES) for i in range(N_SAMPLES // N_FILES)}
+    assert set(counts) == expected, f"missing {len(expected - set(counts))}, extra {len(set(counts) - expected)}"
+    assert set(counts.values()) == {1}, "some samples were trained on twice"
+    assert [e.step for e in entries] == list(range(1, len(entries) + 1))
+
+
+def test_failures_and_sigkill_mid_epoch_keep_exactly_once_and_the_loss_curve(ray_local, tmp_path, monkeypatch):
+    clean = _config(tmp_path, "clean", 2)
+    _fit(clean)
+    base = _ledger(tmp_path, "clean")
+    _assert_exactly_once(base)
+    n = len(base)
+    assert n >= 12, f"only {n} steps: too few to fail at 1/3 and 2/3"
+
+    first, second = n // 3 + 1, 2 * n // 3 + 1  # not on a checkpoint: steps after it are undone
+    monkeypatch.setenv("PIPELINES_FAULTS", f"{first}:raise,{second}:kill")
+    _fit(_config(tmp_path, "faulty", 2))
+    faulty = _ledger(tmp_path, "faulty")
+    run = tmp_path / "runs" / "faulty" / ".faults"
+    assert sorted(p.name for p in run.iterdir()) == sorted([f"fault_step_{first}", f"fault_step_{second}"])
+    _assert_exactly_once(faulty)
+    assert [e.ranks for e in faulty] == [e.ranks for e in base]  # same rows, same ranks, same order
+
+    clean_loss, faulty_loss = _losses(tmp_path, "clean"), _losses(tmp_path, "faulty")
+    redone = [s for s, v in faulty_loss.items() if len(v) > 1]
+    assert redone, "no step was re-run after a restore"
+    for step, values in faulty_loss.items():  # first attempts and re-runs alike match the clean run
+        for v in values:
+            assert abs(v - clean_loss[step][0]) < 1e-3 * max(1.0, abs(clean_loss[step][0])), (step, v, clean_loss[step])
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
+def test_world_size_change_across_resume_is_exactly_once(ray_local, tmp_path, before, after):
+    name = f"resize_{before}_{after}"
+    _fit(_config(tmp_path, name, before, max_steps=5 if before == 2 else 10))
+    head = _ledger(tmp_path, name)
+    assert len(head) > 0 and len(sample_counts(head)) < N_SAMPLES  # stopped mid-epoch
+    _fit(_config(tmp_path, name, after))  # run.resume=auto: same run name, new job, other world size
+    entries = _ledger(tmp_path, name)
+    _assert_exactly_once(entries)
+    assert {len(e.ranks) for e in entries} == {before, after}
+    assert os.path.isdir(tmp_path / "runs" / name)

@@ -1,0 +1,38 @@
+"""notebooks/quickstart.ipynb runs top to bottom on CPU, and is committed without outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
+
+
+def test_committed_without_outputs():
+    nb = json.loads(NOTEBOOK.read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert code and all(not c["outputs"] and c["execution_count"] is None for c in code)
+
+
+@pytest.mark.timeout(900)
+def test_quickstart_executes(tmp_path, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("matplotlib")
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    monkeypatch.setenv("QUICKSTART_STEPS", "12")
+    monkeypatch.setenv("QUICKSTART_STORAGE", str(tmp_path / "runs"))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    client = nbclient.NotebookClient(nb, timeout=800, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}})
+    client.execute()
+    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "rows; columns:" in text and "loss " in text and "->" in text
+    images = [o for c in nb.cells for o in getattr(c, "outputs", []) if "image/png" in o.get("data", {})]
+    assert len(images) == 2  # the length histogram and the loss curve
+    html = [o for c in nb.cells for o in getattr(c, "outputs", []) if "text/html" in o.get("data", {})]
+    assert html and "background:#cfc" in html[0]["data"]["text/html"]  # trained tokens highlighted
+    assert os.path.isdir(tmp_path / "runs" / "notebook-quickstart")
