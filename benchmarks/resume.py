@@ -1,0 +1,118 @@
+"""B7: resume latency by position in the epoch, ours vs skip-N-rows resumption.
+
+For 10%, 50% and 90% of an epoch over the same data (Alpaca demo replicated into JSONL shards,
+GPT-2 tokenizer, bfd packing), in one Ray instance:
+
+* ours: the :class:`~pipelines.dataset.ResumePoint` a checkpoint at that position holds (file,
+  unit start, rows of the unit done) -> ``build_dataset(start=...)`` -> time to the first row;
+* skip-based (what transformers' Trainer and many loaders do): ``build_dataset`` from the start,
+  rows read and dropped until the position -> time to the first row after it.
+
+Both are data-side latency: the model/optimizer restore is the same for both and not included.
+Prints a markdown table and a ``RESULT {json}`` line (see benchmarks/README.md).
+
+    .venv/bin/python benchmarks/resume.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SHARED = ROOT.parent / "shared" / "data"
+
+
+def _data(work: Path, copies: int) -> Path:
+    """``copies`` JSONL shards of the Alpaca demo (999 records each)."""
+    out = work / f"resume_{copies}"
+    if out.exists():
+        return out
+    out.mkdir(parents=True)
+    records = json.loads((SHARED / "sft" / "alpaca_en_demo.json").read_text())
+    for k in range(copies):
+        with open(out / f"part-{k:03d}.jsonl", "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+    return out
+
+
+def _config(path: Path):
+    from pipelines.config import config_from_dict
+
+    return config_from_dict({
+        "model": {"tokenizer": str(SHARED / "tokenizers" / "gpt2")},
+        "data": {"sequence_len": 1024, "packing": "bfd", "pack_buffer_size": 500,
+                 "datasets": [{"path": str(path), "type": "alpaca"}],
+                 "tokenize": {"num_actors": 1, "num_cpus": 1}},
+    })
+
+
+def _first_row_s(ds) -> float:
+    t0 = time.perf_counter()
+    next(iter(ds.iter_batches(batch_size=None, batch_format="pyarrow")))
+    return time.perf_counter() - t0
+
+
+def _ours(cfg, n_files: int, frac: float) -> float:
+    """Resume point of a checkpoint at ``frac``: the file there, second unit, 3 of its rows done."""
+    from pipelines.dataset import ResumePoint, build_dataset
+
+    point = ResumePoint(epoch=0, file_pos=int(frac * n_files), row=500, byte=-1, skip_rows=3)
+    return _first_row_s(build_dataset(cfg, start=point))
+
+
+def _skip(cfg, total_rows: int, frac: float) -> float:
+    from pipelines.dataset import build_dataset
+
+    target = int(frac * total_rows)
+    t0 = time.perf_counter()
+    seen = 0
+    for batch in build_dataset(cfg).iter_batches(batch_size=None, batch_format="pyarrow"):
+        seen += batch.num_rows
+        if seen > target:
+            break
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="4 shards, 1 repeat")
+    ap.add_argument("--work", default=str(ROOT / "benchmarks" / ".work"))
+    args = ap.parse_args()
+    import ray
+
+    copies, repeats = (4, 1) if args.quick else (20, 3)
+    data = _data(Path(args.work), copies)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    cfg = _config(data)
+    from pipelines.dataset import build_dataset
+
+    total_rows = build_dataset(cfg).count()
+    res: dict[str, dict[str, float]] = {}
+    for frac in (0.1, 0.5, 0.9):
+        ours = statistics.median(_ours(cfg, copies, frac) for _ in range(repeats))
+        skip = statistics.median(_skip(cfg, total_rows, frac) for _ in range(repeats))
+        res[f"{int(frac * 100)}%"] = {"ours_s": round(ours, 2), "skip_s": round(skip, 2)}
+    ray.shutdown()
+    print(f"data: {copies} JSONL shards x 999 Alpaca records, {total_rows} packed rows of 1024, GPT-2; "
+          f"median of {repeats}; time to the first row after resuming (tokenizer actor start-up included)")
+    print("| position | ours: seek to unit (s) | skip N rows (s) | skip / ours |")
+    print("|---|---:|---:|---:|")
+    for pos, r in res.items():
+        print(f"| {pos} | {r['ours_s']} | {r['skip_s']} | {r['skip_s'] / max(r['ours_s'], 1e-9):.1f}x |")
+    ratio = res["90%"]["ours_s"] / max(res["10%"]["ours_s"], 1e-9)
+    print(f"ours 90% / 10% = {ratio:.2f} (target <= 1.2)")
+    print("RESULT " + json.dumps({"positions": res, "ratio_90_10": round(ratio, 3)}))
+    if args.quick:
+        shutil.rmtree(data, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
