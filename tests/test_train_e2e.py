@@ -44,7 +44,7 @@ def _load_and_generate(model_dir: Path) -> str:
     model, info = AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True)
     assert not info["missing_keys"] and not info["mismatched_keys"], info
     assert all(p.numel() > 0 and torch.isfinite(p).all() for p in model.parameters())
-    ids = tok("Uppercase the word.", return_tensors="pt").input_ids
+    ids = tok("Uppercase the text.", return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
     assert out.shape[1] > ids.shape[1]
     return tok.decode(out[0, ids.shape[1]:])
@@ -74,6 +74,7 @@ def test_sft_zero2_checkpoint_export_and_resume(ray_local, tmp_path):
 
     # Same run again with more steps: resumes at 16 (model, optimizer, LR schedule, step) and continues.
     _, result2 = _fit("default.yaml", [*common, "train.max_steps=24"])
+    assert [r["step"] for r in _records(run, "resume")] == [16]
     train2 = _records(run, "train")[len(train):]
     assert [r["step"] for r in train2] == [20, 24]
     assert train2[0]["loss"] < train[0]["loss"] - 0.5  # continues the curve, not a fresh model
@@ -126,3 +127,45 @@ def test_odd_row_count_epochs_no_hang(ray_local, tmp_path):
     # Ray Train's streaming_split(equal=True) hands each rank 4 of the 9 rows: 2 steps per epoch.
     assert summary["step"] == 4 and result.metrics["step"] == 4
     assert not (tmp_path / "odd" / "model").exists()
+
+
+@pytest.mark.timeout(400)
+def test_worker_failure_resumes_from_checkpoint(ray_local, tmp_path):
+    """run.max_failures=1: a failure mid-run restarts the workers, which resume from the last checkpoint."""
+    import numpy as np
+    import ray
+
+    from pipelines.train.step import synthetic_rows
+    from pipelines.train.trainer import build_trainer
+
+    rows = [{k: np.asarray(v).tolist() for k, v in r.items()} for r in synthetic_rows(60, 64, 260)]
+    marker, trigger = str(tmp_path / "failed"), str(tmp_path / "ft" / "checkpoint_00000004")
+
+    def fail_once(batch):
+        """Slow pass-through (training waits on data) that raises once, as soon as checkpoint 4 exists.
+        Defined here so cloudpickle ships it by value to the Ray Data tasks."""
+        import os
+        import time
+
+        time.sleep(0.2)
+        if os.path.exists(trigger) and not os.path.exists(marker):
+            open(marker, "w").close()
+            raise RuntimeError("injected data failure")
+        return batch
+
+    # One task at a time, 0.2 s a row: the stream stays behind training, so the failure lands mid-run.
+    ds = ray.data.from_items(rows).map_batches(fail_once, batch_size=1, compute=ray.data.TaskPoolStrategy(size=1))
+    cfg = load_config(ROOT / "configs" / "default.yaml", TINY + [
+        f"run.storage_path={tmp_path}", "run.name=ft", "run.max_failures=1", "train.max_steps=12",
+        "train.micro_batch_size=1", "train.checkpoint_every_steps=2", "train.log_every_steps=1",
+        "train.prefetch_batches=0", "run.export_model=false", "data.eval_fraction=0",
+    ])
+    result = build_trainer(cfg, train_dataset=ds).fit()
+    assert Path(marker).exists()  # the failure did happen
+    (resume,) = _records(tmp_path / "ft", "resume")
+    steps = [r["step"] for r in _records(tmp_path / "ft", "train")]
+    # Resumed from a checkpoint (every 2 steps) taken before the failure, not from scratch; training
+    # then continues with the next step.
+    assert resume["step"] >= 2 and resume["step"] % 2 == 0
+    assert steps[steps.index(resume["step"]) + 1] == resume["step"] + 1
+    assert steps[-1] == 12 and result.metrics["step"] == 12

@@ -1,0 +1,59 @@
+"""Small pieces of the training path that need no processes: metrics windows, log line, checkpoint lookup."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pipelines.train.checkpoint import STATE_FILE, TrainerState, checkpoint_dir_name, latest_in_run_dir
+from pipelines.train.collate import IGNORE_INDEX, dummy_batch
+from pipelines.train.loss import backward_scale, summed_loss, supervised_tokens
+from pipelines.train.metrics import Window, format_line
+from pipelines.train.step import StepStats
+
+
+def _stats(loss: float, sup: int, tokens: int, rows: int, wait: float, t: float) -> StepStats:
+    return StepStats(loss=loss, lr=1e-3, grad_norm=0.5, tokens=tokens, supervised_tokens=sup, rows=rows,
+                     data_wait_s=wait, step_time_s=t)
+
+
+def test_window_is_token_weighted_and_formats_one_line():
+    w = Window()
+    w.add(_stats(2.0, sup=30, tokens=400, rows=2, wait=0.01, t=0.5))
+    w.add(_stats(4.0, sup=10, tokens=200, rows=1, wait=0.03, t=0.5))
+    rec = w.record(step=20, epoch=0, sequence_len=256, wait_s=0.08, time_s=2.0)
+    assert rec["loss"] == pytest.approx(2.5)  # (2*30 + 4*10) / 40, not (2 + 4) / 2
+    assert rec["tokens_per_s"] == pytest.approx(600.0)
+    assert rec["packing_efficiency"] == pytest.approx(600 / (3 * 256))
+    assert rec["data_wait_pct"] == pytest.approx(4.0)
+    assert rec["supervised_tokens"] == 20
+    json.dumps(rec)  # plain data for metrics.jsonl and ray.train.report
+    line = format_line(rec, max_steps=100)
+    assert line.startswith("step 20/100 | loss 2.5000 | lr 1.00e-03 | grad_norm 0.500 | tok/s 600")
+    assert "pack 78.1%" in line and "data_wait 4.0%" in line and "\n" not in line
+
+
+def test_dummy_batch_has_no_targets_but_a_graph():
+    b = dummy_batch("mask")
+    assert supervised_tokens(b["labels"]) == 0 and int(b["num_rows"]) == 0
+    assert (b["labels"] == IGNORE_INDEX).all()
+    logits = torch.randn(1, b["input_ids"].shape[1], 10, requires_grad=True)
+    loss = summed_loss(logits, b["labels"])
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and logits.grad is not None and (logits.grad == 0).all()
+    assert backward_scale(world_size=2, grad_accum=4, global_tokens=40) == pytest.approx(0.2)
+
+
+def test_latest_checkpoint_in_run_dir(tmp_path):
+    for step in (8, 16, 120):
+        d = tmp_path / checkpoint_dir_name(step)
+        d.mkdir()
+        (d / STATE_FILE).write_text(json.dumps({"step": step}))
+    (tmp_path / "model").mkdir()
+    assert latest_in_run_dir(str(tmp_path)).endswith("checkpoint_00000120")
+    assert latest_in_run_dir(str(tmp_path / "checkpoint_00000016")).endswith("checkpoint_00000016")
+    with pytest.raises(FileNotFoundError, match="run.resume"):
+        latest_in_run_dir(str(tmp_path / "model"))
+    assert TrainerState.from_dict({"step": 3, "unknown": 1}).step == 3
