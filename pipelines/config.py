@@ -37,15 +37,15 @@ class _Strict(BaseModel):
 class ModelInit(_Strict):
     """A small randomly initialised model described inline (demo runs and tests)."""
 
-    architecture: Literal["llama", "qwen2"] = "llama"
-    hidden_size: int = Field(128, gt=0)
-    intermediate_size: int = Field(256, gt=0)
-    num_hidden_layers: int = Field(2, gt=0)
-    num_attention_heads: int = Field(4, gt=0)
-    num_key_value_heads: int | None = Field(None, gt=0)
-    max_position_embeddings: int = Field(2048, gt=0)
-    tie_word_embeddings: bool = False
-    seed: int = 0
+    architecture: Literal["llama", "qwen2"] = Field("llama", description="transformers architecture: LlamaConfig or Qwen2Config.")
+    hidden_size: int = Field(128, gt=0, description="Model width.")
+    intermediate_size: int = Field(256, gt=0, description="MLP width.")
+    num_hidden_layers: int = Field(2, gt=0, description="Decoder layers.")
+    num_attention_heads: int = Field(4, gt=0, description="Attention heads (must divide hidden_size).")
+    num_key_value_heads: int | None = Field(None, gt=0, description="KV heads for grouped-query attention; None: as many as attention heads.")
+    max_position_embeddings: int = Field(2048, gt=0, description="Longest position the model supports (>= data.sequence_len).")
+    tie_word_embeddings: bool = Field(False, description="Share input and output embeddings.")
+    seed: int = Field(0, description="Seed of the random initialisation.")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelInit:
@@ -174,7 +174,7 @@ class DataConfig(_Strict):
     eval_fraction: float = Field(0.0, ge=0, lt=1, description="Held-out share of samples for split='eval'.")
     datasets: list[DatasetConfig] = Field(..., min_length=1, description="Training sources.")
     eval_datasets: list[DatasetConfig] = Field(default_factory=list, description="Evaluation sources.")
-    tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
+    tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig, description="The tokenizer actor pool.")
     read_num_cpus: float = Field(0.25, gt=0, description="CPUs reserved per read task (small so actors never starve reads).")
     read_tasks: int = Field(8, gt=0, description="Read tasks (each owns a contiguous group of whole files).")
     mix_by: Literal["tokens", "samples", "none"] = Field(
@@ -202,39 +202,39 @@ class TrainConfig(_Strict):
     """The optimisation loop run by each Ray Train worker."""
 
     micro_batch_size: int = Field(1, gt=0, description="Packed rows per worker per forward pass.")
-    gradient_accumulation_steps: int = Field(1, gt=0)
+    gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step on each worker.")
     max_steps: int | None = Field(None, gt=0, description="Optimizer steps; overrides epochs for the LR schedule.")
     epochs: int = Field(1, gt=0, description="Passes over the stream (an epoch ends when the stream is exhausted).")
-    learning_rate: float = Field(2e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    adam_beta1: float = Field(0.9, gt=0, lt=1)
-    adam_beta2: float = Field(0.95, gt=0, lt=1)
-    adam_eps: float = Field(1e-8, gt=0)
-    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
+    learning_rate: float = Field(2e-5, gt=0, description="Peak AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, gt=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.95, gt=0, lt=1, description="AdamW beta2.")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup (see docs/training.md for how it is sized).")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final LR as a share of learning_rate.")
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping; 0 turns it off.")
     deepspeed: str | dict[str, Any] = Field(
         "zero2", description="zero0..zero3 (configs/deepspeed/*.json), a JSON path, or an inline dict."
     )
     bf16: bool = Field(True, description="bf16 mixed precision through DeepSpeed.")
-    gradient_checkpointing: bool = False
-    seed: int = 0
-    log_every_steps: int = Field(10, gt=0)
-    checkpoint_every_steps: int | None = Field(None, gt=0)
-    eval_every_steps: int | None = Field(None, gt=0)
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    seed: int = Field(0, description="Seed of torch on every worker.")
+    log_every_steps: int = Field(10, gt=0, description="One log line (and metrics.jsonl record) per this many steps.")
+    checkpoint_every_steps: int | None = Field(None, gt=0, description="Checkpoint (model, optimizer, data position) every this many steps; the run always ends on one.")
+    eval_every_steps: int | None = Field(None, gt=0, description="Evaluate on the eval split every this many steps.")
     eval_max_batches: int | None = Field(None, gt=0, description="Cap on eval micro-batches per rank.")
     local_shuffle_buffer_size: int | None = Field(
         None, gt=0, description="Rows shuffled in each worker's iterator buffer (seeded by data.shuffle_seed)."
     )
-    prefetch_batches: int = Field(2, ge=0)
+    prefetch_batches: int = Field(2, ge=0, description="Batches each worker prefetches from its data iterator.")
 
 
 class ScalingConfig(_Strict):
     """How many Ray Train workers and what each gets (ray.train.ScalingConfig)."""
 
-    num_workers: int = Field(1, gt=0)
-    use_gpu: bool = False
+    num_workers: int = Field(1, gt=0, description="Ray Train workers (ranks).")
+    use_gpu: bool = Field(False, description="One GPU per worker, NCCL; else CPU workers with gloo.")
     resources_per_worker: dict[str, float] | None = Field(
         None, description="e.g. {CPU: 8, GPU: 1, gpu_node: 1} to pin trainers to GPU nodes."
     )
@@ -246,7 +246,7 @@ class RunConfig(_Strict):
     name: str = Field("run", min_length=1, description="Run directory name under storage_path.")
     storage_path: str = Field("runs", description="Local directory or s3:// URL for checkpoints and outputs.")
     resume: str = Field("auto", description="auto | never | <checkpoint path>.")
-    keep_checkpoints: int = Field(2, gt=0)
+    keep_checkpoints: int = Field(2, gt=0, description="Checkpoints kept in the run directory (CheckpointConfig.num_to_keep).")
     max_failures: int = Field(0, ge=-1, description="Ray Train FailureConfig.max_failures (-1: forever).")
     export_model: bool = Field(True, description="Write a Hugging Face model + tokenizer at the end.")
 
@@ -262,12 +262,12 @@ class StorageConfig(_Strict):
 class Config(_Strict):
     """A whole run: model, data, training, scaling, run directory and storage."""
 
-    model: ModelConfig
-    data: DataConfig
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
-    run: RunConfig = Field(default_factory=RunConfig)
-    storage: StorageConfig = Field(default_factory=StorageConfig)
+    model: ModelConfig = Field(..., description="The model and tokenizer.")
+    data: DataConfig = Field(..., description="Sources, formats, tokenization, packing.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="The optimisation loop.")
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig, description="Workers and their resources.")
+    run: RunConfig = Field(default_factory=RunConfig, description="Run directory, resume, failures.")
+    storage: StorageConfig = Field(default_factory=StorageConfig, description="Object-store endpoint and retries.")
     # Directory that relative local paths are resolved against (the config file's folder).
     base_dir: str = Field(default_factory=os.getcwd, exclude=True, description="Internal: the config file's folder.")
     source: str | None = Field(None, exclude=True, description="Internal: the config file path.")
