@@ -2,10 +2,10 @@
 
 Trains the same tiny model on CPU for the same number of steps twice, in one Ray instance:
 
-1. fed by ``build_dataset`` (read -> tokenizer actors -> packing -> streaming split, concurrently
-   with training on the same CPUs),
+1. fed by ``build_dataset`` the default way (``build_trainer(cfg)``: read -> tokenizer actors ->
+   packing, served per step by the exactly-once feeder, concurrently with training on the same CPUs),
 2. fed by synthetic packed rows of the same shape (``sequence_len`` tokens, the same micro-batch),
-   already in memory (``ray.data.from_items``): the data path at its fastest.
+   already in memory (``ray.data.from_items`` handed to the trainer): the data path at its fastest.
 
 Both runs use the identical TorchTrainer/DeepSpeed loop; the numbers come from each run's
 metrics.jsonl with the first logging window (start-up: pipeline spin-up, first compiles) left out.

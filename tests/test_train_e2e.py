@@ -169,3 +169,14 @@ def test_worker_failure_resumes_from_checkpoint(ray_local, tmp_path):
     assert resume["step"] >= 2 and resume["step"] % 2 == 0
     assert steps[steps.index(resume["step"]) + 1] == resume["step"] + 1
     assert steps[-1] == 12 and result.metrics["step"] == 12
+
+
+def test_relative_storage_path_is_resolved_in_the_driver(ray_local, tmp_path, monkeypatch):
+    """Workers run in Ray's working directories: the driver must send them an absolute run dir."""
+    from pipelines.train.trainer import build_trainer
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(ROOT / "configs" / "default.yaml", ["run.storage_path=runs", "data.eval_fraction=0"])
+    trainer = build_trainer(cfg)  # no fit: only the payload is checked
+    assert trainer.train_loop_config["cfg"]["run"]["storage_path"] == str(tmp_path / "runs")
+    assert cfg.run.storage_path == "runs"  # the caller's config is left alone

@@ -52,7 +52,7 @@ def _stop_head(temp_dir: str, gcs_port: int) -> None:
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.terminate()
-    _, alive = psutil.wait_procs(list(procs), timeout=20)
+    _, alive = psutil.wait_procs(list(procs), timeout=8)
     for p in alive:
         p.kill()
 

@@ -1,12 +1,14 @@
-"""The Ray Train ``train_loop_per_worker``: streams the dataset shard through :func:`train_step`.
+"""The Ray Train ``train_loop_per_worker``: pulls each step's rows and runs :func:`train_step`.
 
 Per worker::
 
     init process group + DeepSpeed engine          (step.py)
-    restore checkpoint per run.resume              (checkpoint.py)
-    for each epoch: shard.iter_torch_batches(collate_fn=PackedCollate)  -- nothing is materialized
-        train_step -> log every log_every_steps, eval every eval_every_steps,
-                      checkpoint every checkpoint_every_steps
+    restore checkpoint per run.resume              (checkpoint.py; its data_state is the data position)
+    rows: from the exactly-once feeder (feed.py)   -- the default: one deterministic global stream, rank r
+          or a Ray Data shard                          takes the r-th slice of each step; or, when a dataset
+                                                       is passed to build_trainer, shard.iter_torch_batches
+    for each step: train_step -> log every log_every_steps, eval every eval_every_steps,
+                   checkpoint (with the feeder's data state; the ledger gets the steps) every checkpoint_every_steps
     final checkpoint, final eval, HF export, summary
 
 Stopping rule: with ``train.max_steps`` the loop stops there and re-reads the stream (a new epoch)

@@ -160,6 +160,8 @@ def build_engine(cfg: Config) -> TrainEngine:
     attn = resolve_attn_implementation(cfg.model.attn_implementation, cfg.scaling.use_gpu)
     tokenizer = load_tokenizer(cfg.model)
     torch.manual_seed(train.seed)
+    # Pretrained weights load in bf16 (half the host memory; DeepSpeed keeps fp32 master weights in the
+    # optimizer); a random init is drawn in fp32 so it is the same whether or not bf16 is on.
     dtype = torch.bfloat16 if (train.bf16 and cfg.model.init is None) else torch.float32
     model = build_model(cfg.model, tokenizer, attn, dtype, train.gradient_checkpointing)
     optimizer = torch.optim.AdamW(
@@ -167,7 +169,7 @@ def build_engine(cfg: Config) -> TrainEngine:
         lr=train.learning_rate,
         betas=(train.adam_beta1, train.adam_beta2),
         eps=train.adam_eps,
-        foreach=False if not cfg.scaling.use_gpu else None,
+        foreach=False if not cfg.scaling.use_gpu else None,  # plain per-tensor loop on CPU, no fused kernels
     )
     engine, _, _, _ = deepspeed.initialize(
         model=model,

@@ -67,6 +67,10 @@ def build_trainer(
     from ray.train.torch import TorchConfig, TorchTrainer
 
     preflight(cfg)
+    # Workers run in Ray's own working directories: a relative run.storage_path ("runs") is made
+    # absolute here, against the driver's cwd, or rank 0 would write metrics/model somewhere else.
+    cfg = cfg.model_copy(deep=True)
+    cfg.run.storage_path = storage_root(cfg)
     feed = train_dataset is None  # the default: exactly-once rows from the feeder, built in the workers
     if feed and eval_dataset is None and has_eval(cfg):
         from pipelines.dataset import build_dataset
