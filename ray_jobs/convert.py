@@ -47,6 +47,9 @@ from pipelines.config import Config, ConfigError, DatasetConfig, StorageConfig, 
 from pipelines.sources import SourceError, SourceFile, SourceTable, resolve_dataset, resolve_sources  # noqa: E402
 from pipelines.storage import StorageError, StorageOptions  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import init_ray  # noqa: E402  (join or start Ray, as the other job scripts do)
+
 TOKENIZED_COLUMNS = {"input_ids": "ndarray:int32", "labels": "ndarray:int32", "source_sample_id": "int64"}
 
 
@@ -160,19 +163,6 @@ def tokenized_meta(cfg: Config, table: SourceTable) -> dict[str, Any]:
         "sources": [f.url for f in table.files],
         "columns": TOKENIZED_COLUMNS,
     }
-
-
-def init_ray() -> None:
-    """Join ``RAY_ADDRESS`` / ``ray job submit``'s cluster, or start a local instance."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init()
-        return
-    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    ray.init(runtime_env={"env_vars": {"PYTHONPATH": path}})
 
 
 def convert(args: argparse.Namespace) -> dict[str, Any]:
