@@ -123,6 +123,23 @@ def _start(start: ResumePoint | None) -> tuple[int, Cursor | None, int]:
     return start.file_pos, Cursor(start.row, start.byte), start.skip_rows
 
 
+def tokenizer_stage(ds: ray.data.Dataset, cfg: Config, table: SourceTable, sink: StatsSink) -> ray.data.Dataset:
+    """``ds`` (record blocks) through the tokenizer actor pool sized and placed by ``data.tokenize``."""
+    tok = cfg.data.tokenize
+    pool = tokenizer_pool_size(tok)
+    threads = tokenizer_threads(tok, pool[1])
+    return ds.map_batches(
+        Tokenizer,
+        fn_constructor_kwargs={"data": cfg.data, "model": cfg.model, "table": table, "sink": sink, "threads": threads},
+        batch_size=None,  # whole blocks: a block is one unit (or several, never part of one)
+        batch_format="pyarrow",
+        concurrency=pool,
+        num_cpus=tok.num_cpus,
+        resources=tok.resources or None,
+        runtime_env={"env_vars": tokenizer_env(threads)},
+    )
+
+
 def build_dataset(
     cfg: Config,
     split: str = "train",
@@ -149,19 +166,7 @@ def build_dataset(
     n_tasks = max(1, min(len(order) - first, cfg.data.read_tasks))
     ds = ray.data.read_datasource(source, num_cpus=cfg.data.read_num_cpus, override_num_blocks=n_tasks)
 
-    tok = cfg.data.tokenize
-    pool = tokenizer_pool_size(tok)
-    threads = tokenizer_threads(tok, pool[1])
-    ds = ds.map_batches(
-        Tokenizer,
-        fn_constructor_kwargs={"data": cfg.data, "model": cfg.model, "table": table, "sink": sink, "threads": threads},
-        batch_size=None,  # whole blocks: a block is one unit (or several, never part of one)
-        batch_format="pyarrow",
-        concurrency=pool,
-        num_cpus=tok.num_cpus,
-        resources=tok.resources or None,
-        runtime_env={"env_vars": tokenizer_env(threads)},
-    )
+    ds = tokenizer_stage(ds, cfg, table, sink)
     ds = ds.map_batches(
         _pack,
         fn_kwargs={"packer": Packer(_pack_options(cfg, epoch), sink, table)},

@@ -94,9 +94,7 @@ class Tokenizer:
     Constructor arguments are small: configs, the file table (for error locations) and the stats sink.
     """
 
-    def __init__(self, data: DataConfig, model: ModelConfig, table: SourceTable, sink: StatsSink,
-                 threads: int | str = 1):
-        threads = threads if isinstance(threads, int) else 1  # "auto" is resolved by the caller that knows the pool
+    def __init__(self, data: DataConfig, model: ModelConfig, table: SourceTable, sink: StatsSink, threads: int = 1):
         os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "true" if threads > 1 else "false")
         self.data, self.table, self.sink = data, table, sink

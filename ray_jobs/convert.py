@@ -169,11 +169,10 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
     """Run one conversion; returns what was written (rows, shards, parts, seconds)."""
     import ray
 
-    from pipelines.dataset import tokenizer_pool_size
+    from pipelines.dataset import tokenizer_stage
     from pipelines.datasource import ReadOptions, ShardDatasource
     from pipelines.mds import MDSDatasink
     from pipelines.stats import StatsSink, format_report, new_stats_actor
-    from pipelines.tokenize import Tokenizer
 
     t0 = time.perf_counter()
     cfg = load_config(args.config, args.overrides) if args.config else None
@@ -198,13 +197,7 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
     if args.tokenize:
         assert cfg is not None
         sink_stats = StatsSink(new_stats_actor())
-        tok = cfg.data.tokenize
-        ds = ds.map_batches(
-            Tokenizer,
-            fn_constructor_kwargs={"data": cfg.data, "model": cfg.model, "table": table, "sink": sink_stats,
-                                   "threads": tok.threads},
-            batch_size=None, batch_format="pyarrow", concurrency=tokenizer_pool_size(tok), num_cpus=tok.num_cpus,
-        )
+        ds = tokenizer_stage(ds, cfg, table, sink_stats)
         ds = ds.map_batches(_keep_tokenized, batch_size=None, batch_format="pyarrow", num_cpus=0.25)
         meta = json.dumps(tokenized_meta(cfg, table), indent=1).encode("utf-8")
         sink = MDSDatasink(args.output, TOKENIZED_COLUMNS, extra_files={"tokenized.json": meta}, **common)
