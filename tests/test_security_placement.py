@@ -34,33 +34,47 @@ def test_no_credentials_in_anything_a_job_writes_or_prints(tmp_path):
             assert secret.encode() not in p.read_bytes(), f"{secret[:8]}... found in {p}"
 
 
-def test_tokenizer_actors_run_only_where_the_resource_is(tmp_path):
+# Runs in a child process with its own Ray instance: the unschedulable case leaves a Ray Data iterator
+# blocked for good, and a driver that shuts Ray down under such an iterator keeps a stale core worker
+# that ends the whole process (pytest included) 60 s later, when it notices its GCS is gone.
+PLACEMENT_CHILD = """
+import sys, threading
+sys.path.insert(0, sys.argv[1])
+import ray
+from conftest import ALPACA, make_config
+from pipelines.dataset import build_dataset
+
+ray.init(num_cpus=2, resources={"cpu_node": 1}, include_dashboard=False, log_to_driver=False)
+cfg = make_config([{"path": str(ALPACA), "type": "alpaca"}],
+                  tokenize={"num_actors": 1, "num_cpus": 0.5, "resources": {"cpu_node": 1}})
+print("PLACED_ROWS", len(build_dataset(cfg).take_all()), flush=True)
+cfg_bad = make_config([{"path": str(ALPACA), "type": "alpaca"}],
+                      tokenize={"num_actors": 1, "num_cpus": 0.5, "resources": {"gpu_node": 1}})
+it = iter(build_dataset(cfg_bad).iter_batches(batch_size=None))
+got = []
+t = threading.Thread(target=lambda: got.append(next(it, None)), daemon=True)
+t.start()
+t.join(timeout=20)
+print("UNPLACED_BLOCKED", t.is_alive() and not got, flush=True)
+ray.shutdown()
+import os
+os._exit(0)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_tokenizer_actors_run_only_where_the_resource_is():
     """``data.tokenize.resources`` pins the actors: here a custom resource stands in for a CPU node type."""
-    import ray
-    from conftest import ALPACA, make_config, needs_shared
+    from conftest import ALPACA, needs_shared
 
     if not ALPACA.exists():
         pytest.skip(needs_shared.kwargs["reason"])
-    from pipelines.dataset import build_dataset
-
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=2, resources={"cpu_node": 1}, include_dashboard=False, log_to_driver=False)
-    try:
-        cfg = make_config([{"path": str(ALPACA), "type": "alpaca"}],
-                          tokenize={"num_actors": 1, "num_cpus": 0.5, "resources": {"cpu_node": 1}})
-        assert len(build_dataset(cfg).take_all()) > 0  # runs where the resource is
-        # Asking for a resource no node has leaves the actor unschedulable instead of running elsewhere.
-        cfg_bad = make_config([{"path": str(ALPACA), "type": "alpaca"}],
-                              tokenize={"num_actors": 1, "num_cpus": 0.5, "resources": {"gpu_node": 1}})
-        ds = build_dataset(cfg_bad)
-        it = iter(ds.iter_batches(batch_size=None))
-        import threading
-
-        got = []
-        t = threading.Thread(target=lambda: got.append(next(it, None)), daemon=True)
-        t.start()
-        t.join(timeout=20)
-        assert t.is_alive() and not got, "a tokenizer ran without the resource it was pinned to"
-    finally:
-        ray.shutdown()
+    env = {**os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-c", PLACEMENT_CHILD, str(ROOT / "tests")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=280)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    rows = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("PLACED_ROWS")]
+    assert rows and rows[0] > 0, out[-3000:]  # runs where the resource is
+    # Asking for a resource no node has leaves the actor unschedulable instead of running elsewhere.
+    assert "UNPLACED_BLOCKED True" in proc.stdout, "a tokenizer ran without the resource it was pinned to"
