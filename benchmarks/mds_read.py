@@ -237,8 +237,19 @@ def run_mdswriter(p: dict[str, Any]) -> dict[str, Any]:
 SYSTEMS = {"ours": run_ours, "mosaic": run_mosaic, "convert": run_convert, "mdswriter": run_mdswriter}
 
 
-def child(name: str, params: dict[str, Any]) -> dict[str, Any]:
-    """Run one system in a fresh interpreter; its result is the line tagged ``TAG``."""
+def child(name: str, params: dict[str, Any], repeats: int = 1) -> dict[str, Any]:
+    """Run one system ``repeats`` times, each in a fresh interpreter; the run with the median total time,
+    with every run's ``total_s`` under ``runs_s``."""
+    runs = sorted((_child_once(name, params) for _ in range(repeats)), key=lambda r: r["total_s"])
+    return {**runs[len(runs) // 2], "runs_s": [round(r["total_s"], 3) for r in runs], "repeats": repeats}
+
+
+def _child_once(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """One run of one system; its result is the line tagged ``TAG``. Outputs and mosaic's download
+    cache are removed first, so every repeat starts cold."""
+    for key in ("out", "local" if params.get("remote") else None):
+        if key and key in params:
+            shutil.rmtree(params[key], ignore_errors=True)
     out = subprocess.run([sys.executable, __file__, "--child", name, json.dumps(params)], capture_output=True,
                          text=True, env={**os.environ, **ENV})
     for line in out.stdout.splitlines():
@@ -254,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny data (~2 MB): check every measurement runs")
     ap.add_argument("--mb", type=float, default=50.0, help="uncompressed size of the data")
+    ap.add_argument("--repeats", type=int, help="runs per system, median reported (default 3, quick 1)")
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "pipelines-mds-bench"))
     ap.add_argument("--child", nargs=2, metavar=("NAME", "JSON"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -262,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.environ.update(ENV)
     mb, shard_bytes, files = (2.0, 1 << 18, 4) if args.quick else (args.mb, 1 << 22, 16)
+    reps = args.repeats or (1 if args.quick else 3)
     work = Path(args.work)
     data = prepare(work, mb, shard_bytes, files)
     print(f"data: {data['samples']} samples ({data['copies']} copies of Alpaca+LIMA), {data['raw_mb']:.1f} MB "
@@ -270,14 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         remote = upload(work / "mds", endpoint, f"{BUCKET}/mds")
         results = {
-            "ours_local": child("ours", {"path": str(work / "mds")}),
-            "mosaic_local": child("mosaic", {"local": str(work / "mds")}),
-            "ours_s3": child("ours", {"path": remote, "endpoint": endpoint}),
-            "mosaic_s3": child("mosaic", {"local": str(work / "cache-s3"), "remote": remote, "endpoint": endpoint}),
+            "ours_local": child("ours", {"path": str(work / "mds")}, reps),
+            "mosaic_local": child("mosaic", {"local": str(work / "mds")}, reps),
+            "ours_s3": child("ours", {"path": remote, "endpoint": endpoint}, reps),
+            "mosaic_s3": child("mosaic", {"local": str(work / "cache-s3"), "remote": remote, "endpoint": endpoint}, reps),
             "convert": child("convert", {"jsonl": str(work / "jsonl"), "out": str(work / "converted"),
-                                         "shard_bytes": shard_bytes}),
+                                         "shard_bytes": shard_bytes}, reps),
             "mdswriter": child("mdswriter", {"jsonl": str(work / "jsonl"), "out": str(work / "mdswriter"),
-                                             "shard_bytes": shard_bytes}),
+                                             "shard_bytes": shard_bytes}, reps),
         }
     finally:
         moto.terminate()
@@ -285,15 +298,16 @@ def main(argv: list[str] | None = None) -> int:
     labels = {"ours_local": "build_dataset, local MDS", "mosaic_local": "mosaic StreamingDataset+DataLoader(2), local",
               "ours_s3": "build_dataset, MDS on S3 (moto)", "mosaic_s3": "mosaic StreamingDataset+DataLoader(2), S3 (moto)",
               "convert": "ray_jobs/convert.py JSONL -> MDS (2 tasks)", "mdswriter": "MDSWriter loop JSONL -> MDS"}
-    print("\n| system | total s | first batch s | start-up s | rows | tokens | Mtok/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(f"\nmedian of {reps} run(s) per system, each in a fresh process")
+    print("\n| system | total s | first batch s | start-up s | rows | tokens | Mtok/s | runs (total s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     for name, r in results.items():
         startup = r.get("init_s", r.get("wall_s", r["total_s"]) - r["total_s"])
         tokens = r.get("tokens")
         print(f"| {labels[name]} | {r['total_s']:.2f} | " + (f"{r['ttfb_s']:.2f}" if r.get("ttfb_s") else "") +
               f" | {startup:.2f} | {r['rows']} | {tokens or ''} | " +
-              (f"{tokens / r['total_s'] / 1e6:.3f}" if tokens else "") + " |")
-    summary: dict[str, Any] = {"data": data}
+              (f"{tokens / r['total_s'] / 1e6:.3f}" if tokens else "") + f" | {r['runs_s']} |")
+    summary: dict[str, Any] = {"data": data, "repeats": reps}
     for where in ("local", "s3"):
         a, b = results[f"ours_{where}"], results[f"mosaic_{where}"]
         ratio = (a["tokens"] / a["total_s"]) / (b["tokens"] / b["total_s"])

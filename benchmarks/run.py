@@ -706,7 +706,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-sweep", action="store_true", help="only the default tokenizer pool in B2")
     ap.add_argument("--only", default="B1,B2,B3,B4,B5,B6,B7", help="comma-separated subset (B1 and B2 share the ingest run)")
     ap.add_argument("--skip", default="", help="comma-separated benchmarks not to run, e.g. B5,B6 (reported as not run)")
-    ap.add_argument("--external-timeout", type=float, help="seconds for each of B5-B7's scripts (default 300, quick 150)")
+    ap.add_argument("--external-timeout", type=float, help="seconds for each of B5-B7's scripts (default 1200, quick 150)")
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -728,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick, "cpus": args.cpus, "work": work, "logs": work / "logs",
         "repeats": args.repeats or (1 if args.quick else 3),
         "records": args.records or (999 if args.quick else ingest.FULL_RECORDS),
-        "external_timeout": args.external_timeout or (150 if args.quick else 300),
+        "external_timeout": args.external_timeout or (150 if args.quick else 1200),
         "machine": bl.machine_info(), "started": dt.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join([".venv/bin/python", "benchmarks/run.py", *(argv if argv is not None else sys.argv[1:])]),
         "results": {}, "ingest": {},
