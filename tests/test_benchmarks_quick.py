@@ -119,3 +119,19 @@ def test_external_scripts_are_run_or_reported_not_available(tmp_path, monkeypatc
     missing = run.run_external("resume.py", ctx)
     assert missing["status"] == "not available" and "not there" in missing["why"]
     assert run.external_md(missing).startswith("not available")
+    assert run._ratio_rows(failed, "B6", [("read_local_ratio", "t", 1.0, True)]) == [["B6", "t", "not available",
+                                                                                      "not available"]]
+
+
+def test_b6_b7_target_rows_come_from_the_result_line():
+    """B6 (higher is better) and B7 (lower is better) rows carry the measured ratio and a real verdict."""
+    run = _load_run_module()
+    b6 = {"status": "ok", "results": [{"read_local_ratio": 0.8, "read_s3_ratio": 1.31}]}
+    spec6 = [("read_local_ratio", "local", 1.0, True), ("read_s3_ratio", "s3", 1.0, True)]
+    assert run._ratio_rows(b6, "B6", spec6) == [["B6", "local", "0.80x", "MISSED"], ["B6", "s3", "1.31x", "met"]]
+    spec7 = [("ratio_90_10", "resume", 1.2, False)]
+    assert run._ratio_rows({"status": "ok", "results": [{"ratio_90_10": 0.79}]}, "B7", spec7) == [
+        ["B7", "resume", "0.79x", "met"]]
+    assert run._ratio_rows({"status": "ok", "results": [{"ratio_90_10": 1.5}]}, "B7", spec7)[0][3] == "MISSED"
+    # A RESULT line without the field is pointed at, not invented.
+    assert run._ratio_rows({"status": "ok", "results": [{}]}, "B7", spec7)[0][2] == "see section"
