@@ -247,9 +247,9 @@ def child(name: str, params: dict[str, Any], repeats: int = 1) -> dict[str, Any]
 def _child_once(name: str, params: dict[str, Any]) -> dict[str, Any]:
     """One run of one system; its result is the line tagged ``TAG``. Outputs and mosaic's download
     cache are removed first, so every repeat starts cold."""
-    for key in ("out", "local" if params.get("remote") else None):
-        if key and key in params:
-            shutil.rmtree(params[key], ignore_errors=True)
+    stale = [params.get("out"), params.get("local") if params.get("remote") else None]  # never the source
+    for path in filter(None, stale):
+        shutil.rmtree(path, ignore_errors=True)
     out = subprocess.run([sys.executable, __file__, "--child", name, json.dumps(params)], capture_output=True,
                          text=True, env={**os.environ, **ENV})
     for line in out.stdout.splitlines():
