@@ -48,6 +48,7 @@ class SourceState:
     tokens: int = 0  # tokens taken from it this epoch (token-weighted mixing)
     samples: int = 0  # samples taken from it this epoch
     exhausted: bool = False  # ran out at least once this epoch
+    rows_in_pass: int = 0  # rows taken in the current pass (cycle: an empty pass is not repeated)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -56,7 +57,8 @@ class SourceState:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SourceState:
-        return cls(ResumePoint(**d["point"]), d["passes"], d["tokens"], d["samples"], d["exhausted"])
+        return cls(ResumePoint(**d["point"]), d["passes"], d["tokens"], d["samples"], d["exhausted"],
+                   d["rows_in_pass"])
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ray
 from conftest import make_config, write_jsonl
 
-from pipelines.loader import FeederClient, start_feeder
+from pipelines.feeder import FeederClient, start_feeder
 from pipelines.resume import Ledger, sample_counts
 
 N_FILES, PER_FILE = 4, 120
@@ -33,9 +33,9 @@ def drive(feeder, world: int, start: int = 0, max_steps: int | None = None, clie
         items = [c.next() for c in clients]
         if items[0] is None:
             break
-        last = items[0]["index"]
-        if items[0]["kind"] == "step":
-            steps.append([[row["sample_ids"] for row in it["rows"]] for it in items])
+        last = items[0].index
+        if items[0].kind == "step":
+            steps.append([it.sample_ids() for it in items])
     return steps, last
 
 

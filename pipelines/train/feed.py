@@ -1,10 +1,14 @@
-"""Training data for one rank from the feeder (:mod:`pipelines.loader`): step items -> micro-batches.
+"""Training data for one rank from the feeder (:mod:`pipelines.feeder`): step items -> micro-batches.
 
 Rank 0 starts the ``DataFeeder`` from the checkpoint's data state and shares its handle with the
 other ranks (a ``broadcast_object_list``); the feeder dies with rank 0, so a restarted worker group
 always starts a fresh one from the checkpoint it restored. Each optimizer step takes one item: this
 rank's ``micro_batch_size x gradient_accumulation_steps`` rows (fewer at the end of an epoch; the
-step pads with no-loss micro-batches), collated here.
+step pads with no-loss micro-batches), collated here. The item holds block references and row
+ranges; this rank fetches its rows from the object store itself (zero-copy on the same node) and
+splits the Arrow list columns into per-row numpy views by their offsets -- no Python ints::
+
+    input_ids  values [5 9 2 7 7 1 ...]  offsets [0 3 5 ...]  ->  rows [5 9 2], [7 7], ...
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import numpy as np
 import torch.distributed as dist
 
 from pipelines.config import Config
-from pipelines.loader import FeederClient, start_feeder
+from pipelines.feeder import FeederClient, RankItem, list_rows, start_feeder
+from pipelines.resume import DataState
 
 # Feeder epochs when train.max_steps decides the end: the stream is re-read as often as needed.
 UNBOUNDED_EPOCHS = 1 << 30
@@ -35,6 +40,13 @@ def share_feeder(cfg: Config, rank: int, world: int, rows_per_rank: int, data_st
     return box[0]
 
 
+def resume_epoch(data_state: dict | None) -> int | None:
+    """The epoch a restored run trains next: the saved one, or the one after it when it was done
+    (a checkpoint on an epoch's last step). ``None`` without a data state."""
+    state = DataState.from_dict(data_state)
+    return None if state is None else state.epoch + int(state.epoch_done)
+
+
 class StepFeed:
     """This rank's view: ``next_step()`` gives the micro-batches of the next step, ``None`` at an epoch end."""
 
@@ -50,15 +62,16 @@ class StepFeed:
     def next_step(self) -> list[dict] | None:
         t0 = time.perf_counter()
         item = self.client.next()
+        columns = _columns(item) if item is not None and item.kind == "step" else None
         self.wait_s = time.perf_counter() - t0
         if item is None:
             self.finished = True
             return None
-        self.last_index, self.epoch = item["index"], item["epoch"]
-        if item["kind"] != "step":
+        self.last_index, self.epoch = item.index, item.epoch
+        if columns is None:
             return None
-        rows = item["rows"]
-        return [self.collate(_columns(rows[i:i + self.micro])) for i in range(0, len(rows), self.micro)]
+        n = item.num_rows
+        return [self.collate({k: v[i:i + self.micro] for k, v in columns.items()}) for i in range(0, n, self.micro)]
 
     def commit(self) -> dict:
         """The data state after the last consumed item (call on rank 0 when checkpointing)."""
@@ -72,5 +85,10 @@ class StepFeed:
         return ray.get(self.feeder.report.remote())
 
 
-def _columns(rows: list[dict]) -> dict[str, list[np.ndarray]]:
-    return {k: [np.asarray(r[k]) for r in rows] for k in ("input_ids", "labels", "position_ids")}
+TOKEN_COLUMNS = ("input_ids", "labels", "position_ids")
+
+
+def _columns(item: RankItem) -> dict[str, list[np.ndarray]]:
+    """This rank's rows of a step item: column -> one numpy view per row."""
+    table = item.rows(TOKEN_COLUMNS)
+    return {k: list_rows(table.column(k)) for k in TOKEN_COLUMNS}

@@ -28,7 +28,7 @@ from pipelines.config import Config, config_from_dict
 from pipelines.train.checkpoint import TrainerState, checkpoint_dir_name, report_checkpoint, restore
 from pipelines.train.export import export_hf_model
 from pipelines.train.faults import maybe_fail
-from pipelines.train.feed import StepFeed, share_feeder
+from pipelines.train.feed import StepFeed, resume_epoch, share_feeder
 from pipelines.train.metrics import MetricsWriter, Window, format_line
 from pipelines.train.step import (
     BatchSource,
@@ -71,6 +71,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         feeder = share_feeder(cfg, te.rank, te.world_size, rows_per_rank, state.data_state or None,
                               f"{run_dir(cfg)}/ledger")
         train = StepFeed(feeder, te.rank, cfg.train.micro_batch_size, te.collate_fn())
+        if (epoch := resume_epoch(state.data_state or None)) is not None:
+            state.epoch = epoch  # the feeder's: the next one when the checkpoint ended an epoch
     else:
         train = ray.train.get_dataset_shard("train")
     WorkerLoop(cfg, te, state, train, eval_shard).run()

@@ -1,4 +1,4 @@
-"""The loader: one deterministic, resumable stream of packed rows, served to every training rank.
+"""The feeder: one deterministic, resumable stream of packed rows, served to every training rank.
 
 Ray Data's ``streaming_split`` hands blocks to whichever rank asks first, so which rank trains on
 which row changes run to run, and "rows seen per rank" cannot be turned back into a position. Here
@@ -11,10 +11,22 @@ the per-source datasets of :func:`pipelines.dataset.build_dataset` in order, mix
   :class:`~pipelines.resume.DataState` right after it;
 * an epoch-end item, after the last step of an epoch.
 
+The feeder is a control plane: the packed rows stay in Ray's object store as the Arrow blocks the
+packing stage wrote. The feeder reads only their small columns (row lengths, ``sample_ids``, the
+``unit_*`` position columns) and hands each rank a :class:`RankItem`: block references and row
+ranges, never the tokens. Ranks fetch their slices themselves (:mod:`pipelines.train.feed`). Worked
+example, 2 ranks x 2 rows, a step mixing 3 rows of block A (source 0) and 1 row of block B::
+
+    picks   A[5:7]  B[0:1]  A[7:8]
+    rank 0  RowSlice(A, 5, 7)
+    rank 1  RowSlice(B, 0, 1), RowSlice(A, 7, 8)
+
 The global row order does not depend on the world size, so a run checkpointed with 2 workers
 resumes with 1 (or 1 with 2) at the same row. Ranks fetch items by index through
 :class:`FeederClient`, which prefetches; the feeder prefetches too, in a thread.
 ``commit(item)`` returns the state to checkpoint and writes the ledger of the steps up to it.
+The state after an epoch's last step already says the epoch is done (the feeder looks one row
+ahead), so a checkpoint taken there resumes in the next epoch, not in an empty rest of this one.
 
 The data path itself (reads, tokenizer actors, packing) is Ray Data, launched from the feeder.
 """
@@ -24,39 +36,135 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import ray
 
 from pipelines.config import Config, config_from_dict, dump_config
 from pipelines.dataset import build_dataset, data_report, ordered_files
-from pipelines.mixing import Mixer, Row, fresh_states
+from pipelines.mixing import Chunk, Mixer, Picked, fresh_states
 from pipelines.resume import DataState, Ledger, LedgerEntry, SourceState
 from pipelines.sources import resolve_sources
 from pipelines.storage import StorageOptions, filesystem_for
+
+__all__ = ["DataFeeder", "Feeder", "FeederClient", "RankItem", "RowSlice", "fetch_rows", "list_rows", "start_feeder"]
 
 logger = logging.getLogger(__name__)
 
 ROW_COLUMNS = ("input_ids", "labels", "position_ids", "sample_ids")
 
 
-@dataclass
-class Item:
-    """One unit of work for all ranks: a step's rows per rank, or the end of an epoch."""
+@dataclass(frozen=True)
+class RowSlice:
+    """Rows ``start .. stop`` of one packed-row block (an ``ObjectRef`` of an Arrow table)."""
+
+    block: Any
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class RankItem:
+    """What one rank gets for one item: where its rows are (``slices``, in order), not the rows."""
 
     index: int
     kind: str  # "step" | "epoch_end"
     epoch: int
     step: int  # global optimizer step this item is (step items) or follows (epoch_end)
-    ranks: list[list[Row]]
+    slices: tuple[RowSlice, ...] = ()
+
+    @property
+    def num_rows(self) -> int:
+        return sum(s.stop - s.start for s in self.slices)
+
+    def rows(self, columns: tuple[str, ...] = ROW_COLUMNS) -> pa.Table:
+        """This rank's rows, fetched from the object store (zero-copy on the same node)."""
+        return fetch_rows(self.slices, columns)
+
+    def sample_ids(self) -> list[list[int]]:
+        """The sample ids of each row (tests and tools; training reads only the token columns)."""
+        return self.rows(("sample_ids",)).column("sample_ids").to_pylist()
+
+
+def fetch_rows(slices: tuple[RowSlice, ...] | list[RowSlice], columns: tuple[str, ...] = ROW_COLUMNS) -> pa.Table:
+    """The rows of ``slices`` as one Arrow table (one ``ray.get`` for all blocks)."""
+    if not slices:
+        return pa.table({c: pa.array([], pa.list_(pa.int64())) for c in columns})
+    refs = list(dict.fromkeys(s.block for s in slices))
+    blocks = dict(zip(refs, ray.get(refs), strict=True))
+    parts = [blocks[s.block].select(list(columns)).slice(s.start, s.stop - s.start) for s in slices]
+    return parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+
+
+def list_rows(column: pa.ChunkedArray) -> list[np.ndarray]:
+    """A list column as per-row numpy views of its values (no copy of the tokens).
+
+    ``[[5, 9, 2], [7, 7]]`` -> values ``[5 9 2 7 7]``, offsets ``[0 3 5]`` -> ``[array([5, 9, 2]), array([7, 7])]``.
+    """
+    out: list[np.ndarray] = []
+    for chunk in column.chunks:
+        offsets = np.asarray(chunk.offsets)
+        values = chunk.values.to_numpy(zero_copy_only=False)
+        out.extend(values[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True))
+    return out
+
+
+@dataclass
+class Item:
+    """One unit of work for all ranks: a step's row slices per rank, or the end of an epoch."""
+
+    index: int
+    kind: str  # "step" | "epoch_end"
+    epoch: int
+    step: int
+    ranks: list[list[Picked]]
     state: dict[str, Any]  # DataState after this item
+    fetched: set[int] = field(default_factory=set)
+
+    def for_rank(self, rank: int) -> RankItem:
+        return RankItem(self.index, self.kind, self.epoch, self.step,
+                        tuple(RowSlice(p.chunk.block, p.chunk.offset + p.start, p.chunk.offset + p.stop)
+                              for p in self.ranks[rank]))
+
+    def ledger_entry(self) -> LedgerEntry:
+        return LedgerEntry(self.epoch, self.step,
+                           [[ids for p in picks for ids in p.chunk.sample_ids(p.start, p.stop)] for picks in self.ranks])
 
 
-def _rows_of(ds: ray.data.Dataset) -> Iterator[Row]:
-    """Rows of a dataset in stream order, as plain dicts (lists of ints)."""
-    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=2):
-        yield from batch.to_pylist()
+def split_ranks(picked: list[Picked], world: int, k: int) -> list[list[Picked]]:
+    """Cut a step's runs of rows into ``world`` slices of ``k`` rows (the last ones shorter or empty).
+
+    ``[A 0..3, B 0..2]``, 2 ranks x 3 rows -> rank 0 ``[A 0..3]``, rank 1 ``[B 0..2]``;
+    ``[A 0..4, B 0..2]``, 2 x 3 -> ``[A 0..3]``, ``[A 3..4, B 0..2]``.
+    """
+    ranks: list[list[Picked]] = [[] for _ in range(world)]
+    r, room = 0, k
+    for p in picked:
+        start = p.start
+        while start < p.stop:
+            n = min(room, p.stop - start)
+            ranks[r].append(Picked(p.source, p.chunk, start, start + n))
+            start, room = start + n, room - n
+            if room == 0:
+                r, room = r + 1, k
+    return ranks
+
+
+def _chunks_of(ds: ray.data.Dataset) -> Iterator[Chunk]:
+    """The dataset's blocks in stream order, as chunks: references plus their small columns."""
+    for bundle in ds.iter_internal_ref_bundles():
+        for entry, cut in zip(bundle.blocks, bundle.slices, strict=True):
+            table = ray.get(entry.ref)
+            if not isinstance(table, pa.Table):
+                from ray.data.block import BlockAccessor
+
+                table = BlockAccessor.for_block(table).to_arrow()
+            start, stop = (0, table.num_rows) if cut is None else (cut.start_offset, cut.end_offset)
+            if stop > start:
+                yield Chunk.from_table(table, entry.ref, start, stop)
 
 
 class StreamPlan:
@@ -74,24 +182,28 @@ class StreamPlan:
         self.table = resolve_sources(cfg, split)  # listed once; files are fixed for the run
         self.datasets: list[ray.data.Dataset] = []  # every stream opened (for data_report)
 
-    def open(self, i: int, state: SourceState) -> tuple[Iterator[Row], dict[int, int]]:
-        """Rows of source ``i`` from ``state.point``, and its files' read positions."""
+    def open(self, i: int, state: SourceState) -> tuple[Iterator[Chunk], dict[int, int]]:
+        """Chunks of source ``i`` from ``state.point``, and its files' read positions."""
         point = state.point
         ds = build_dataset(self.cfg, self.split, epoch=point.epoch, start=point, datasets=self.groups[i])
         self.datasets.append(ds)
         order = ordered_files(self.cfg, self.table, point.epoch, self.groups[i])
-        return _rows_of(ds), {source: pos for pos, source in enumerate(order)}
+        return _chunks_of(ds), {source: pos for pos, source in enumerate(order)}
 
 
-@ray.remote(num_cpus=0, max_concurrency=64)
-class DataFeeder:
-    """Serves items to ranks; see the module docstring. Cheap: it only moves rows."""
+class Feeder:
+    """Serves items to ranks; see the module docstring. Cheap: it moves references, not rows.
+
+    Runs as the :data:`DataFeeder` actor. ``plan`` replaces the streams of ``data.datasets`` (the
+    feeder benchmark serves rows it materialized before its clock).
+    """
 
     def __init__(self, cfg_dict: dict, base_dir: str, world_size: int, rows_per_rank: int, epochs: int,
-                 state: dict | None = None, ledger_root: str | None = None, prefetch_items: int = 4) -> None:
+                 state: dict | None = None, ledger_root: str | None = None, prefetch_items: int = 4,
+                 plan: StreamPlan | None = None) -> None:
         self.cfg = config_from_dict(cfg_dict, base_dir=base_dir)
         self.world, self.k, self.epochs = world_size, rows_per_rank, epochs
-        self.plan = StreamPlan(self.cfg, "train")
+        self.plan = plan or StreamPlan(self.cfg, "train")
         restored = DataState.from_dict(state)
         self.state = restored or DataState(0, 0, fresh_states(len(self.plan.groups), 0))
         self.ledger = None
@@ -100,8 +212,7 @@ class DataFeeder:
             self.ledger = Ledger(fs, path)
             self.ledger.truncate_after(self.state.step)  # steps undone by this restore
         self.max_items = prefetch_items
-        self._rows: dict[int, Item] = {}  # items some rank has not fetched yet
-        self._fetched: dict[int, set[int]] = {}
+        self._items: dict[int, Item] = {}  # items some rank has not fetched yet
         self._served: set[int] = set()  # items every rank has fetched
         self._states: dict[int, dict] = {}  # state after each item, until committed
         self._pending: list[LedgerEntry] = []  # steps fetched but not yet in the ledger
@@ -118,17 +229,19 @@ class DataFeeder:
                      epoch, states, self.plan.open)
 
     def _epoch_items(self, index: int, epoch: int, step: int, states: list[SourceState]) -> tuple[int, int]:
-        """Produce one epoch's step items and its epoch-end item; returns the next index and step."""
+        """Produce one epoch's step items and its epoch-end item; returns the next index and step.
+
+        Each step's state is taken before looking ahead; when the look-ahead finds the epoch over,
+        the step's state is the epoch-end state (``epoch_done``), so a checkpoint there resumes in
+        the next epoch.
+        """
         mixer = self._mixer(epoch, states)
-        while not mixer.done:
-            rows: list[Row] = []
-            while len(rows) < self.world * self.k and (nxt := mixer.next()) is not None:
-                rows.append({c: nxt[1][c] for c in ROW_COLUMNS})
-            if not rows:
-                break
+        while picked := mixer.take(self.world * self.k):
             step += 1
-            ranks = [rows[r * self.k:(r + 1) * self.k] for r in range(self.world)]
-            self._put(Item(index, "step", epoch, step, ranks, DataState(epoch, step, states).to_dict()))
+            state = DataState(epoch, step, states).to_dict()
+            if not mixer.ready():  # that was the epoch's last step
+                state = DataState(epoch, step, states, epoch_done=True).to_dict()
+            self._put(Item(index, "step", epoch, step, split_ranks(picked, self.world, self.k), state))
             index += 1
         end = DataState(epoch, step, states, epoch_done=True).to_dict()
         self._put(Item(index, "epoch_end", epoch, step, [[] for _ in range(self.world)], end))
@@ -153,35 +266,33 @@ class DataFeeder:
 
     def _put(self, item: Item) -> None:
         with self._cond:
-            while len(self._rows) >= self.max_items:
+            while len(self._items) >= self.max_items:
                 self._cond.wait(timeout=1.0)
-            self._rows[item.index] = item
-            self._fetched[item.index] = set()
+            self._items[item.index] = item
             self._states[item.index] = item.state
             self._cond.notify_all()
 
     # ---- served to ranks
-    def get(self, index: int, rank: int) -> dict | None:
+    def get(self, index: int, rank: int) -> RankItem | None:
         """Item ``index`` for ``rank`` (blocks until produced); ``None`` when the training data is over."""
         with self._cond:
-            while index not in self._rows:
+            while index not in self._items:
                 if index in self._served:
                     raise KeyError(f"item {index} was already served to every rank")
                 if self._error is not None:
                     raise RuntimeError(f"data feeder failed: {self._error!r}") from self._error
-                if self._finished and index not in self._rows:
+                if self._finished and index not in self._items:
                     return None
                 self._cond.wait(timeout=1.0)
-            item = self._rows[index]
-            self._fetched[index].add(rank)
-            if len(self._fetched[index]) == self.world:  # every rank has it: drop the rows
-                del self._rows[index], self._fetched[index]
+            item = self._items[index]
+            item.fetched.add(rank)
+            if len(item.fetched) == self.world:  # every rank has it: drop the block references
+                del self._items[index]
                 self._served.add(index)
                 if item.kind == "step":
-                    self._pending.append(LedgerEntry(item.epoch, item.step,
-                                                     [[r["sample_ids"] for r in rows] for rows in item.ranks]))
+                    self._pending.append(item.ledger_entry())
                 self._cond.notify_all()
-            return {"kind": item.kind, "epoch": item.epoch, "step": item.step, "rows": item.ranks[rank]}
+            return item.for_rank(rank)
 
     def commit(self, index: int) -> dict:
         """The data state after item ``index`` (to checkpoint); the ledger gets the steps up to it."""
@@ -210,8 +321,11 @@ class DataFeeder:
         return totals
 
 
+DataFeeder = ray.remote(num_cpus=0, max_concurrency=64)(Feeder)
+
+
 class FeederClient:
-    """A rank's view of the feeder: ``next()`` returns the next item for this rank, prefetched."""
+    """A rank's view of the feeder: ``next()`` returns the next :class:`RankItem` for this rank, prefetched."""
 
     def __init__(self, feeder: Any, rank: int, start_index: int = 0, prefetch: int = 2) -> None:
         self.feeder, self.rank, self.index, self.prefetch = feeder, rank, start_index, prefetch
@@ -221,12 +335,11 @@ class FeederClient:
         if i not in self._futures:
             self._futures[i] = self.feeder.get.remote(i, self.rank)
 
-    def next(self) -> dict | None:
+    def next(self) -> RankItem | None:
         for i in range(self.index, self.index + self.prefetch + 1):
             self._request(i)
         item = ray.get(self._futures.pop(self.index))
         if item is not None:
-            item["index"] = self.index
             self.index += 1
         return item
 

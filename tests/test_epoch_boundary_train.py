@@ -1,0 +1,58 @@
+"""Issue #14 repro through Ray Train: 16 records, 4 steps per epoch, ``train.epochs=2``, a fault after
+step 6. Restored from a checkpoint on the last step of epoch 0 (every 4 steps), the run used to train
+0 steps in "epoch 0", stop, and report success with epoch 1 never trained; from a checkpoint on the
+first step of epoch 1 (every 5 steps) it must go on as well. Both: every sample once per epoch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pytest
+from conftest import write_jsonl
+
+from pipelines.config import config_from_dict
+from pipelines.resume import Ledger, sample_counts
+from pipelines.sources import make_sample_id
+
+N = 16
+pytestmark = pytest.mark.timeout(900)
+
+
+def _config(tmp_path: Path, name: str, checkpoint_every: int):
+    d = tmp_path / "data"
+    d.mkdir(exist_ok=True)
+    write_jsonl(d / "part-0.jsonl", [{"text": f"record {i} " + "word " * (3 + i % 5)} for i in range(N)])
+    return config_from_dict({
+        "model": {"tokenizer": "demo://tokenizer",
+                  "init": {"architecture": "llama", "hidden_size": 32, "intermediate_size": 64,
+                           "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 128}},
+        "data": {"sequence_len": 64, "packing": "none", "shuffle_seed": 3,
+                 "datasets": [{"path": str(d), "type": "completion"}],
+                 "tokenize": {"num_actors": 1, "num_cpus": 0.25}},
+        "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 2, "epochs": 2, "learning_rate": 1e-3,
+                  "warmup_steps": 0, "log_every_steps": 1, "checkpoint_every_steps": checkpoint_every,
+                  "deepspeed": "zero0"},
+        "scaling": {"num_workers": 2, "resources_per_worker": {"CPU": 0.5}},
+        "run": {"name": name, "storage_path": str(tmp_path / "runs"), "max_failures": 1, "export_model": False},
+    })
+
+
+@pytest.mark.parametrize("checkpoint_every", [4, 5])
+def test_fault_after_an_epoch_boundary_checkpoint_trains_both_epochs_once(ray_local, tmp_path, monkeypatch,
+                                                                            checkpoint_every):
+    from pipelines.train.trainer import build_trainer
+
+    name = f"boundary_{checkpoint_every}"
+    monkeypatch.setenv("PIPELINES_FAULTS", "6:raise")
+    build_trainer(_config(tmp_path, name, checkpoint_every)).fit()
+    run = tmp_path / "runs" / name
+    assert (run / ".faults" / "fault_step_6").exists()  # the fault fired and the run was restored
+    entries = Ledger(pafs.LocalFileSystem(), str(run / "ledger")).entries()
+    assert [e.step for e in entries] == list(range(1, 9)), [e.step for e in entries]
+    for epoch in (0, 1):
+        counts = sample_counts(e for e in entries if e.epoch == epoch)
+        assert counts == {make_sample_id(0, i): 1 for i in range(N)}, f"epoch {epoch}: {counts}"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["step"] == 8 and summary["epochs"] == 2
