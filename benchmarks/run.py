@@ -6,10 +6,11 @@
 
 B1 tokenizer ceiling, B2 ingest vs peers, B3 time to first row and peak RSS vs data size, B4 packing
 efficiency, B5 data-wait while training (``benchmarks/train_stall.py``), B6 MDS read
-(``benchmarks/mds_read.py``), B7 resume latency (``benchmarks/resume.py``). A benchmark whose
+(``benchmarks/mds_read.py``), B7 resume latency (``benchmarks/resume.py``), B8 feeder scale
+(``benchmarks/feeder_scale.py``). A benchmark whose
 prerequisite is missing prints "not available" instead of failing the run.
 
-External scripts (B5-B7) are run as ``python benchmarks/X.py [--quick]``; their stdout is copied into
+External scripts (B5-B8) are run as ``python benchmarks/X.py [--quick]``; their stdout is copied into
 BENCHMARKS.md (markdown table lines as they are, everything else as a text block). A line
 ``BENCH_RESULT {json}`` in their output is kept in results.json as well.
 """
@@ -563,7 +564,20 @@ def target_rows(ctx: dict[str, Any]) -> list[list[str]]:
         ("convert_ratio", "convert.py JSONL -> MDS >= 1.5x a plain MDSWriter loop (rows/s, after Ray start-up)", 1.5,
          True)])
     rows += _ratio_rows(res.get("B7") or {}, "B7", [("ratio_90_10", "resume at 90% <= 1.2x at 10%", 1.2, False)])
+    rows += _b8_rows(res.get("B8") or {})
     return rows
+
+
+def _b8_rows(r: dict[str, Any]) -> list[list[str]]:
+    """B8 targets from feeder_scale.py's RESULT line (keys: largest_n, largest_n_ratio, max_cpu_s_per_m_tokens)."""
+    targets = ["feeder tokens/s at the largest N >= 0.8x one ds.iter_batches() consumer",
+               "feeder CPU-s per M tokens <= 0.05 at every N"]
+    last = (r.get("results") or [{}])[-1] if r.get("status") == "ok" else {}
+    ratio, cpu = last.get("largest_n_ratio"), last.get("max_cpu_s_per_m_tokens")
+    if not isinstance(ratio, (int, float)) or not isinstance(cpu, (int, float)):
+        return [["B8", t, NA, NA] for t in targets]
+    return [["B8", targets[0] + f" (N={last.get('largest_n')})", f"{ratio:.2f}x", "met" if ratio >= 0.8 else "MISSED"],
+            ["B8", targets[1], f"{cpu:.4f}", "met" if cpu <= 0.05 else "MISSED"]]
 
 
 def _ratio_rows(r: dict[str, Any], key: str, specs: list[tuple[str, str, float, bool]]) -> list[list[str]]:
@@ -692,7 +706,8 @@ def write_report(ctx: dict[str, Any], out_md: Path, plots: list[str], plot_rel: 
         lines += [f"{NA}: {res.get('B4_error', '')}", ""]
     for key, title in (("B5", "B5 data-wait fraction while training (`benchmarks/train_stall.py`)"),
                        ("B6", "B6 MDS read (`benchmarks/mds_read.py`)"),
-                       ("B7", "B7 resume latency (`benchmarks/resume.py`)")):
+                       ("B7", "B7 resume latency (`benchmarks/resume.py`)"),
+                       ("B8", "B8 feeder scale: N simulated ranks (`benchmarks/feeder_scale.py`)")):
         lines += [f"## {title}", "", external_md(res.get(key) or {"why": "not run (--only / --skip)"}), ""]
     lines += ["## Plots", ""]
     lines += [f"![{p}]({plot_rel}/{p})" for p in plots] or [f"{NA} (matplotlib missing)"]
@@ -721,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpus", type=int, default=min(2, os.cpu_count() or 2), help="CPUs per system (default 2)")
     ap.add_argument("--work", type=Path, help="data/cache dir (default benchmarks/.work; quick: inside --out)")
     ap.add_argument("--no-sweep", action="store_true", help="only the default tokenizer pool in B2")
-    ap.add_argument("--only", default="B1,B2,B3,B4,B5,B6,B7", help="comma-separated subset (B1 and B2 share the ingest run)")
+    ap.add_argument("--only", default="B1,B2,B3,B4,B5,B6,B7,B8", help="comma-separated subset (B1 and B2 share the ingest run)")
     ap.add_argument("--skip", default="", help="comma-separated benchmarks not to run, e.g. B5,B6 (reported as not run)")
     ap.add_argument("--external-timeout", type=float, help="seconds for each of B5-B7's scripts (default 1200, quick 150)")
     args = ap.parse_args(argv)
@@ -789,6 +804,7 @@ def main(argv: list[str] | None = None) -> int:
     section("B5", lambda c: run_external("train_stall.py", c))
     section("B6", lambda c: run_external("mds_read.py", c))
     section("B7", lambda c: run_external("resume.py", c))
+    section("B8", lambda c: run_external("feeder_scale.py", c))
 
     ctx["elapsed"] = time.perf_counter() - t_start
     ctx["load_end"] = [round(x, 2) for x in os.getloadavg()]

@@ -39,7 +39,7 @@ def quick_run(tmp_path_factory):
 @pytest.mark.timeout(900)
 def test_quick_writes_tables_and_plots(quick_run):
     out, md, results, _ = quick_run
-    for title in ("## Targets", "## B1", "## B2", "## B3", "## B4", "## B5", "## B6", "## B7"):
+    for title in ("## Targets", "## B1", "## B2", "## B3", "## B4", "## B5", "## B6", "## B7", "## B8"):
         assert title in md, f"{title} missing from BENCHMARKS.md"
     head = md.splitlines()[:8]  # the command that produced it is on top
     assert any(line.startswith("Produced by: `.venv/bin/python benchmarks/run.py --quick") for line in head), head
@@ -89,6 +89,24 @@ def test_quick_numbers_are_real(quick_run):
     assert re.search(r"\| gpt2 \| 2048 \| bfd \(ours[^|]*\| \d+\.\d+% \|", md)
     # Skipped B5-B7 are reported, not dropped.
     assert md.count("not available: not run (--only / --skip)") == 3
+
+
+@needs_shared
+@pytest.mark.timeout(900)
+def test_quick_feeder_scale_delivers_every_token_to_the_ranks(quick_run):
+    """B8 (feeder_scale.py --quick): the new and the old feeder deliver the whole stream to N ranks."""
+    _, md, results, _ = quick_run
+    b8 = results["B8"]
+    assert b8["status"] == "ok", b8
+    r = b8["results"][-1]
+    assert r["tokens"] == r["rows"] * 2048 and r["ceiling"]["tokens"] == r["tokens"]
+    for n, per in r["per_n"].items():
+        for key in ("feeder", "old"):
+            assert per[key]["tokens"] == r["tokens"], (n, key, per[key])  # every row, once, to some rank
+            assert per[key]["tokens_per_s"] > 0 and per[key]["cpu_s_per_m_tokens"] > 0, (n, key)
+            assert per[key]["feeder_peak_rss_mb"] > 0
+    assert set(r["per_n"]) == {"2", "4"}
+    assert "| 4 | feeder |" in md
 
 
 def _load_run_module():

@@ -1,0 +1,329 @@
+"""Feeder scale (issue #10 item 4): N simulated ranks pull 8 rows of 2048 tokens per step from the feeder.
+
+    .venv/bin/python benchmarks/feeder_scale.py            # N = 2, 8, 32, 64; writes benchmarks/results/feeder_scale.png
+    .venv/bin/python benchmarks/feeder_scale.py --quick    # N = 2, 4 on a small stream (CI smoke)
+
+The rows are pre-tokenized (real GPT-2 ids of c4_demo, concatenated into rows of exactly 2048 tokens,
+in blocks of 64 rows with their ``unit_*`` position columns, as the packing stage writes them) and
+materialized in Ray's object store before any clock starts, so tokenization and packing are not the
+bound. In one run, over the same blocks:
+
+* ``ceiling``: one plain ``ds.iter_batches()`` consumer in the driver (the Ray Data ceiling here);
+* ``feeder``: ``pipelines.feeder.Feeder`` (references + row ranges; ranks fetch and split rows);
+* ``old``: the feeder before its rewrite (``benchmarks/_old_feeder.py``: ``to_pylist``, row-by-row
+  mixing, pickled lists of ints, numpy again on the rank).
+
+Each rank is a Ray actor with ``1/N`` CPU (no torch: it does what ``StepFeed`` does before collation,
+then concatenates the rows as the flash-attention ``flatten`` collate would). Per N: tokens/s delivered
+to all ranks together, the feeder process's CPU-seconds per million tokens (``getrusage`` in the
+feeder, every thread), p50/p99 of a rank's wait per step, and the feeder's peak RSS. Also measured
+alone: what ``to_pylist`` + pickling the lists (the old path's own per-token work) costs per million
+tokens. Prints a markdown table and ``RESULT {json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import ray
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from pipelines.feeder import Feeder, FeederClient, list_rows  # noqa: E402
+from pipelines.sources import make_sample_id  # noqa: E402
+
+SEQ, K, BLOCK_ROWS = 2048, 8, 64
+SHARED = Path(os.environ.get("PIPELINES_SHARED_DATA", ROOT.parent / "shared" / "data"))
+C4 = SHARED / "text" / "c4_demo.jsonl"
+GPT2 = SHARED / "tokenizers" / "gpt2" / "tokenizer.json"
+COLUMNS = ("input_ids", "labels", "position_ids", "sample_ids")
+
+
+# --------------------------------------------------------------------------- data
+
+
+def corpus_tokens() -> tuple[np.ndarray, np.ndarray]:
+    """GPT-2 ids of c4_demo, concatenated, and the document index of each token (before any clock)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(GPT2))
+    texts = [json.loads(line)["text"] for line in C4.read_text(encoding="utf-8").splitlines() if line.strip()]
+    encs = tok.encode_batch(texts)
+    ids = [np.asarray(e.ids + [50256], dtype=np.int32) for e in encs]
+    doc = np.concatenate([np.full(len(x), i, dtype=np.int64) for i, x in enumerate(ids)])
+    return np.concatenate(ids), doc
+
+
+def make_block(ids: np.ndarray, doc: np.ndarray, first_row: int, rows: int) -> pa.Table:
+    """``rows`` packed rows of exactly SEQ tokens (a unit of the packing stage), with position columns."""
+    tok = ids[: rows * SEQ].reshape(rows, SEQ)
+    d = doc[: rows * SEQ].reshape(rows, SEQ)
+    starts = np.concatenate([np.ones((rows, 1), bool), d[:, 1:] != d[:, :-1]], axis=1)
+    pos = np.arange(SEQ)[None, :] - np.maximum.accumulate(np.where(starts, np.arange(SEQ)[None, :], 0), axis=1)
+    offsets = pa.array(np.arange(rows + 1, dtype=np.int32) * SEQ)
+    lst = lambda a: pa.ListArray.from_arrays(offsets, pa.array(a.reshape(-1).astype(np.int32)))  # noqa: E731
+    sids = [make_sample_id(0, 0) + np.unique(r) for r in d]  # the documents in each row
+    unit = make_sample_id(0, first_row)
+    return pa.table({
+        "input_ids": lst(tok), "labels": lst(tok), "position_ids": lst(pos),
+        "sample_ids": pa.array([s.tolist() for s in sids], pa.list_(pa.int64())),
+        "unit_id": pa.array([unit] * rows, pa.int64()), "unit_row": pa.array(range(rows), pa.int64()),
+        "unit_rows": pa.array([rows] * rows, pa.int64()), "unit_start_byte": pa.array([-1] * rows, pa.int64()),
+        "unit_end_row": pa.array([first_row + rows] * rows, pa.int64()),
+        "unit_end_byte": pa.array([-1] * rows, pa.int64()),
+    })
+
+
+def make_dataset(total_rows: int) -> ray.data.Dataset:
+    """A materialized dataset of ``total_rows`` packed rows in blocks of BLOCK_ROWS (object store)."""
+    ids, doc = corpus_tokens()
+    per = BLOCK_ROWS * SEQ
+    reps = -(-per // len(ids)) + 1
+    ids, doc = np.tile(ids, reps), np.tile(doc, reps)
+    blocks, rng = [], np.random.default_rng(0)
+    for b in range(0, total_rows, BLOCK_ROWS):
+        start = int(rng.integers(0, len(ids) - per))
+        rows = min(BLOCK_ROWS, total_rows - b)
+        blocks.append(make_block(ids[start:], doc[start:], b, rows))
+    return ray.data.from_arrow(blocks).materialize()
+
+
+# --------------------------------------------------------------------------- systems
+
+
+class MaterializedPlan:
+    """One source: the materialized blocks (chunks for the new feeder, row dicts for the old one)."""
+
+    def __init__(self, ds: ray.data.Dataset, rows_as_dicts: bool = False) -> None:
+        self.ds, self.dicts = ds, rows_as_dicts
+        self.groups, self.weights, self.datasets = [None], [1.0], []
+
+    def open(self, i: int, state: Any):
+        if self.dicts:
+            from _old_feeder import _rows_of
+
+            return _rows_of(self.ds), {0: 0}
+        from pipelines.feeder import _chunks_of
+
+        return _chunks_of(self.ds), {0: 0}
+
+
+class Usage:
+    """Mixed into the feeders: the process's CPU seconds (all threads) and peak RSS."""
+
+    def usage(self) -> tuple[float, float]:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime, r.ru_maxrss / 1024.0  # MB (Linux: KB)
+
+
+class NewFeeder(Feeder, Usage):
+    pass
+
+
+def _old_feeder_class():
+    from _old_feeder import OldFeeder
+
+    class OldFeederUsage(OldFeeder, Usage):
+        pass
+
+    return OldFeederUsage
+
+
+@ray.remote
+class Rank:
+    """A simulated training rank: fetch each step's rows, split them, concatenate (flatten collate)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+
+    def ready(self) -> bool:
+        return True
+
+    def run(self, feeder: Any, old: bool) -> dict[str, Any]:
+        client = FeederClient(feeder, self.rank)
+        if old:
+            from _old_feeder import FeederClient as OldClient
+            from _old_feeder import old_columns
+
+            client = OldClient(feeder, self.rank)
+        waits, tokens, t0 = [], 0, time.perf_counter()
+        while True:
+            w0 = time.perf_counter()
+            item = client.next()
+            if item is None:
+                break
+            if old:
+                cols = old_columns(item["rows"]) if item["kind"] == "step" else None
+            else:
+                table = item.rows(("input_ids", "labels", "position_ids")) if item.kind == "step" else None
+                cols = {k: list_rows(table.column(k)) for k in table.column_names} if table is not None else None
+            waits.append(time.perf_counter() - w0)
+            if cols and cols["input_ids"]:
+                flat = {k: np.concatenate(v) for k, v in cols.items()}  # the flatten collate, in numpy
+                tokens += int(flat["input_ids"].size)
+        return {"tokens": tokens, "waits": waits, "start": t0, "end": time.perf_counter()}
+
+
+def run_feeder(ds: ray.data.Dataset, ranks: list[Any], old: bool) -> dict[str, Any]:
+    n = len(ranks)
+    if old:
+        cls = ray.remote(num_cpus=0, max_concurrency=64)(_old_feeder_class())
+        feeder = cls.remote(MaterializedPlan(ds, rows_as_dicts=True), n, K)
+    else:
+        from pipelines.config import config_from_dict, dump_config
+
+        cfg = config_from_dict({"model": {"tokenizer": str(GPT2.parent)},
+                                "data": {"datasets": [{"path": str(C4), "type": "completion"}]}})
+        feeder = ray.remote(num_cpus=0, max_concurrency=64)(NewFeeder).remote(
+            dump_config(cfg), cfg.base_dir, n, K, 1, None, None, 4, MaterializedPlan(ds))
+    cpu0, _ = ray.get(feeder.usage.remote())
+    t0 = time.perf_counter()
+    res = ray.get([r.run.remote(feeder, old) for r in ranks])
+    wall = time.perf_counter() - t0
+    cpu1, rss = ray.get(feeder.usage.remote())
+    ray.kill(feeder)
+    tokens = sum(r["tokens"] for r in res)
+    waits = np.concatenate([r["waits"] for r in res])
+    return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": tokens / wall,
+            "cpu_s_per_m_tokens": (cpu1 - cpu0) / tokens * 1e6, "wait_p50_ms": float(np.percentile(waits, 50) * 1e3),
+            "wait_p99_ms": float(np.percentile(waits, 99) * 1e3), "feeder_peak_rss_mb": rss}
+
+
+def run_ceiling(ds: ray.data.Dataset) -> dict[str, Any]:
+    """One plain ``ds.iter_batches()`` consumer in the driver (default batch size and format)."""
+    t0, tokens = time.perf_counter(), 0
+    for batch in ds.iter_batches():
+        col = batch["input_ids"]
+        tokens += int(col.size) if col.dtype != object else sum(len(r) for r in col)
+    wall = time.perf_counter() - t0
+    return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": tokens / wall}
+
+
+def pylist_pickle_cost(ds: ray.data.Dataset) -> dict[str, float]:
+    """CPU-seconds per million tokens of the old path's own per-token work, measured alone:
+    ``to_pylist`` of a block, and pickling those rows (what ``DataFeeder.get`` returned to ranks)."""
+    block = ray.get(next(iter(ds.iter_internal_ref_bundles())).blocks[0].ref)
+    tokens = sum(len(r) for r in block.column("input_ids").to_pylist())
+    reps = 5
+    c0 = time.process_time()
+    for _ in range(reps):
+        rows = block.to_pylist()
+    c1 = time.process_time()
+    for _ in range(reps):
+        pickle.dumps([{c: r[c] for c in COLUMNS} for r in rows], protocol=5)
+    c2 = time.process_time()
+    m = tokens * reps / 1e6
+    return {"to_pylist_cpu_s_per_m_tokens": (c1 - c0) / m, "pickle_cpu_s_per_m_tokens": (c2 - c1) / m}
+
+
+# --------------------------------------------------------------------------- main
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ns = [int(n) for n in results["per_n"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("feeder", "feeder (refs + row ranges)"), ("old", "old feeder (to_pylist)")):
+        ax.plot(ns, [results["per_n"][str(n)][key]["tokens_per_s"] / 1e6 for n in ns], "o-", label=label)
+    ax.axhline(results["ceiling"]["tokens_per_s"] / 1e6, color="gray", ls="--", label="ds.iter_batches() ceiling")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("simulated ranks N (8 rows x 2048 tokens per step each)")
+    ax.set_ylabel("M tokens/s delivered (all ranks)")
+    ax.set_title("feeder_scale: tokens/s vs N")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="N = 2, 4 on a small stream (CI smoke)")
+    ap.add_argument("--ns", default=None, help="comma list of N (default 2,8,32,64; quick 2,4)")
+    ap.add_argument("--steps", type=int, default=None, help="steps at the largest N (default 24; quick 4)")
+    ap.add_argument("--plot", default=None, help="PNG path (default benchmarks/results/feeder_scale.png; quick: a temp dir)")
+    args = ap.parse_args()
+    if args.plot is None:
+        import tempfile
+
+        base = Path(tempfile.mkdtemp(prefix="feeder-scale-")) if args.quick else ROOT / "benchmarks" / "results"
+        args.plot = str(base / "feeder_scale.png")
+    ns = [int(x) for x in (args.ns or ("2,4" if args.quick else "2,8,32,64")).split(",")]
+    steps = args.steps or (4 if args.quick else 24)
+    total_rows = max(ns) * K * steps
+    if not C4.is_file():
+        print(f"not available: {C4} missing")
+        return
+    # Workers (feeders, ranks) import benchmarks/_old_feeder.py and this script's classes by name.
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    ds = make_dataset(total_rows)
+    out: dict[str, Any] = {"rows": total_rows, "tokens": total_rows * SEQ, "seq": SEQ, "rows_per_rank": K,
+                           "load_avg_before": os.getloadavg()}
+    out["ceiling"] = run_ceiling(ds)
+    out["old_path_cost"] = pylist_pickle_cost(ds)
+    out["per_n"] = {}
+    for n in ns:
+        try:
+            ranks = [Rank.options(num_cpus=1.0 / n).remote(r) for r in range(n)]
+            ray.get([r.ready.remote() for r in ranks])
+            out["per_n"][str(n)] = {"feeder": run_feeder(ds, ranks, old=False), "old": run_feeder(ds, ranks, old=True)}
+            for r in ranks:
+                ray.kill(r)
+        except Exception as err:  # e.g. out of memory at large N: report it, keep the smaller N
+            out["per_n"][str(n)] = {"error": repr(err)}
+    out["load_avg_after"] = os.getloadavg()
+    done = [n for n in ns if "error" not in out["per_n"][str(n)]]
+    if done:
+        per = [out["per_n"][str(n)]["feeder"] for n in done]
+        out["largest_n"] = done[-1]
+        out["largest_n_ratio"] = per[-1]["tokens_per_s"] / out["ceiling"]["tokens_per_s"]
+        out["max_cpu_s_per_m_tokens"] = max(p["cpu_s_per_m_tokens"] for p in per)
+    ray.shutdown()
+    print(f"rows {total_rows} x {SEQ} tokens = {total_rows * SEQ / 1e6:.1f} M tokens; each system reads them once per N; "
+          f"load average before/after {out['load_avg_before'][0]:.1f}/{out['load_avg_after'][0]:.1f}")
+    print(f"ceiling (one ds.iter_batches() consumer): {out['ceiling']['tokens_per_s'] / 1e6:.1f} M tokens/s")
+    c = out["old_path_cost"]
+    print(f"old path's own per-token work: to_pylist {c['to_pylist_cpu_s_per_m_tokens']:.3f} + pickling "
+          f"{c['pickle_cpu_s_per_m_tokens']:.3f} CPU-s per M tokens")
+    print()
+    print("| N | system | M tokens/s (all ranks) | x ceiling | feeder CPU-s / M tokens | wait p50 / p99 ms | feeder peak RSS MB |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    ceiling = out["ceiling"]["tokens_per_s"]
+    for n in ns:
+        per = out["per_n"][str(n)]
+        if "error" in per:
+            print(f"| {n} | - | not run: {per['error'][:80]} | | | | |")
+            continue
+        for key in ("feeder", "old"):
+            r = per[key]
+            print(f"| {n} | {key} | {r['tokens_per_s'] / 1e6:.2f} | {r['tokens_per_s'] / ceiling:.2f}x | "
+                  f"{r['cpu_s_per_m_tokens']:.4f} | {r['wait_p50_ms']:.1f} / {r['wait_p99_ms']:.1f} | "
+                  f"{r['feeder_peak_rss_mb']:.0f} |")
+    if any("error" not in v for v in out["per_n"].values()):
+        try:
+            plot(out, Path(args.plot))
+            print(f"\nplot: {Path(args.plot).relative_to(ROOT) if Path(args.plot).is_relative_to(ROOT) else args.plot}")
+        except ImportError as err:
+            print(f"no plot: {err}")
+    print("RESULT " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
