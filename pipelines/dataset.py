@@ -15,52 +15,31 @@ from __future__ import annotations
 
 import math
 import os
-import random
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 import ray
 
 from pipelines.config import Config, TokenizeConfig
-from pipelines.datasource import Cursor, ReadOptions, ShardDatasource, read_files
+from pipelines.datasource import ReadOptions, ShardDatasource, read_files
 from pipelines.packing import Packer, PackOptions
 from pipelines.sources import SourceTable, datasets_for_split, resolve_sources
-from pipelines.stats import StatsSink, format_report, new_stats_actor
+from pipelines.stats import StatsSink, new_stats_actor
 from pipelines.tokenize import Tokenizer
+from pipelines.units import Cursor, ResumePoint
+from pipelines.units import ordered_files as _ordered_files
+
+__all__ = ["ResumePoint", "build_dataset", "data_report", "iter_packed_local", "ordered_files"]
 
 # CPUs left for read and packing tasks when sizing the tokenizer pool automatically; a pool that
 # takes every CPU starves the reads and the pipeline hangs.
 CPU_RESERVE_FOR_READS = 0.5
 
 
-def file_order(n_files: int, seed: int, epoch: int = 0) -> list[int]:
-    """Read order of the files in an epoch: a seeded permutation (ids stay tied to sorted order)."""
-    order = list(range(n_files))
-    random.Random(f"{seed}:{epoch}").shuffle(order)
-    return order
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """Where a stream starts: file ``file_pos`` of the epoch's read order, at a unit boundary.
-
-    ``row``/``byte`` locate the unit's first record in that file; ``skip_rows`` of that unit's packed
-    rows were already trained on. Made by :mod:`pipelines.resume` from the rows a run consumed.
-    """
-
-    epoch: int = 0
-    file_pos: int = 0
-    row: int = 0
-    byte: int = -1
-    skip_rows: int = 0
-
-
 def ordered_files(cfg: Config, table: SourceTable, epoch: int, datasets: list[int] | None = None) -> list[int]:
-    """Indices into ``table.files`` in the epoch's read order, optionally only some dataset entries."""
-    chosen = [f.source_index for f in table.files if datasets is None or f.dataset_index in datasets]
-    return [chosen[i] for i in file_order(len(chosen), cfg.data.shuffle_seed, epoch)]
+    """Indices into ``table.files`` in the epoch's read order (see :func:`pipelines.units.ordered_files`)."""
+    return _ordered_files(table, cfg.data.shuffle_seed, epoch, datasets)
 
 
 def unit_size(cfg: Config) -> int:
@@ -120,7 +99,7 @@ def _pack_options(cfg: Config, epoch: int) -> PackOptions:
 def _start(start: ResumePoint | None) -> tuple[int, Cursor | None, int]:
     if start is None:
         return 0, None, 0
-    return start.file_pos, Cursor(start.row, start.byte), start.skip_rows
+    return start.file_pos, start.cursor, start.skip_rows
 
 
 def tokenizer_stage(ds: ray.data.Dataset, cfg: Config, table: SourceTable, sink: StatsSink) -> ray.data.Dataset:
@@ -133,7 +112,7 @@ def tokenizer_stage(ds: ray.data.Dataset, cfg: Config, table: SourceTable, sink:
         fn_constructor_kwargs={"data": cfg.data, "model": cfg.model, "table": table, "sink": sink, "threads": threads},
         batch_size=None,  # whole blocks: a block is one unit (or several, never part of one)
         batch_format="pyarrow",
-        concurrency=pool,
+        compute=ray.data.ActorPoolStrategy(min_size=pool[0], max_size=pool[1]),
         num_cpus=tok.num_cpus,
         resources=tok.resources or None,
         runtime_env={"env_vars": tokenizer_env(threads)},
@@ -197,9 +176,9 @@ def iter_packed_local(cfg: Config, split: str = "train", sink: StatsSink | None 
 
 
 def check_pretokenized(cfg: Config, table: SourceTable) -> None:
-    """Refuse an MDS set tokenized with another tokenizer (see :func:`pipelines.mds.check_tokenized_sources`)."""
+    """Refuse an MDS set tokenized with another tokenizer (see :func:`pipelines.mds_reader.check_tokenized_sources`)."""
     if any(f.format == "mds" for f in table.files):
-        from pipelines.mds import check_tokenized_sources
+        from pipelines.mds_reader import check_tokenized_sources
 
         check_tokenized_sources(cfg, table)
 
@@ -215,9 +194,3 @@ def data_report(ds: ray.data.Dataset) -> dict[str, Any]:
         raise ValueError("this dataset was not made by pipelines.build_dataset (no counters attached)")
     return ray.get(sink.actor.snapshot.remote())
 
-
-def print_report(ds: ray.data.Dataset) -> str:
-    """The counters as a short text block (also returned)."""
-    text = format_report(data_report(ds))
-    print(text)
-    return text

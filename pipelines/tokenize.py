@@ -20,32 +20,17 @@ import numpy as np
 import pyarrow as pa
 
 from pipelines.config import DataConfig, ModelConfig
-from pipelines.datasource import UNIT_FIELDS, BadRecordError
+from pipelines.datasource import BadRecordError
 from pipelines.formats import Formatted, RecordError, make_formatter
 from pipelines.sources import SourceTable, split_sample_id
 from pipelines.stats import Counts, StatsSink
+from pipelines.tokenizer import IGNORE_INDEX, load_tokenizer
+from pipelines.units import carry_unit_columns
 
-IGNORE_INDEX = -100
+__all__ = ["IGNORE_INDEX", "TOKENIZED_SCHEMA", "Tokenizer", "list_array", "span_labels", "tokenized_table"]
 TOKENIZED_SCHEMA = pa.schema(
     [("sample_id", pa.int64()), ("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))]
 )
-
-
-def resolve_tokenizer_path(model: ModelConfig) -> str:
-    """``model.tokenizer`` (or ``name_or_path``) with ``demo://`` made local."""
-    path = model.tokenizer_path
-    if path.startswith("demo://"):
-        from pipelines.demo import resolve_demo_path
-
-        path = resolve_demo_path(path)
-    return path
-
-
-def load_tokenizer(model: ModelConfig) -> Any:
-    """Load the configured Hugging Face tokenizer (local directory or cached id; never the Hub at run time)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(resolve_tokenizer_path(model), trust_remote_code=model.trust_remote_code)
 
 
 def _first_token(enc: Any, start: int, end: int, step: int) -> int | None:
@@ -131,7 +116,7 @@ class Tokenizer:
     def _pretokenized(self, sample_id: int, rec: dict[str, Any], counts: Counts) -> Pretokenized | None:
         """Check a record that already holds ``input_ids`` (and maybe ``labels``); no template, no EOS.
 
-        Which tokenizer made a converted set is checked once at build time (pipelines.mds); here every
+        Which tokenizer made a converted set is checked once at build time (pipelines.mds_reader); here every
         id must at least be in this tokenizer's vocabulary, and labels must align with the ids.
         """
         try:
@@ -211,10 +196,7 @@ class Tokenizer:
         counts.add("samples_tokenized", n_kept)
         counts.add("tokens", n_tokens)
         self.sink.send(counts)
-        out = tokenized_table(sids, all_ids, all_labels)
-        for name, _ in UNIT_FIELDS:
-            out = out.append_column(name, batch.column(name))
-        return out
+        return carry_unit_columns(batch, tokenized_table(sids, all_ids, all_labels))
 
 
 INT32 = pa.int32()

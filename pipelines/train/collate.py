@@ -34,7 +34,8 @@ import numpy as np
 import torch
 from ray.data.collate_fn import NumpyBatchCollateFn
 
-IGNORE_INDEX = -100
+from pipelines.tokenizer import IGNORE_INDEX
+
 CollateMode = Literal["mask", "flatten"]
 
 

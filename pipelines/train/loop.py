@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from pipelines.config import Config, config_from_dict
+from pipelines.seeds import local_shuffle_seed
 from pipelines.train.checkpoint import TrainerState, checkpoint_dir_name, report_checkpoint, restore
 from pipelines.train.export import export_hf_model
 from pipelines.train.faults import maybe_fail
@@ -169,7 +170,7 @@ class WorkerLoop:
             collate_fn=self.te.collate_fn(),
             prefetch_batches=train.prefetch_batches,
             local_shuffle_buffer_size=max(buffer, train.micro_batch_size) if buffer else None,
-            local_shuffle_seed=self.cfg.data.shuffle_seed + 1009 * epoch + self.te.rank if buffer else None,
+            local_shuffle_seed=local_shuffle_seed(self.cfg.data.shuffle_seed, epoch, self.te.rank) if buffer else None,
         )
 
     def _hit_max_steps(self) -> bool:

@@ -1,0 +1,169 @@
+"""Packing units and resume positions: the one owner of the ``unit_*`` columns and :class:`ResumePoint`.
+
+A *unit* is a run of consecutive records of one file (``data.pack_buffer_size`` of them). It is packed on its own, so its rows
+depend only on its records and the config, and a stream position is "file, unit, rows done".
+The unit travels *in the data*, as constant columns, never as a block boundary the runtime must keep:
+
+* read blocks (``pipelines.datasource``) carry :data:`UNIT_FIELDS` next to each record; the
+  tokenizer stage copies them through (:func:`carry_unit_columns`);
+* packed rows (``pipelines.packing``) carry :data:`ROW_UNIT_FIELDS`: the unit's location plus the
+  row's index among the unit's packed rows;
+* the trainer turns the last row it trained on into a :class:`ResumePoint` (:func:`point_after`).
+
+Worked example, units of 1000 records; the 3rd of 7 rows of the unit starting at row 2000 of the
+2nd file in the epoch's read order was the last one trained on::
+
+    point_after({"unit_id": (5 << 40) | 2000, "unit_start_byte": 81920, "unit_end_row": 3000,
+                 "unit_end_byte": 122880, "unit_row": 2, "unit_rows": 7}, {5: 1}, epoch=0)
+    -> ResumePoint(epoch=0, file_pos=1, row=2000, byte=81920, skip_rows=3)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pipelines.seeds import file_order
+from pipelines.sources import SourceTable, split_sample_id
+
+__all__ = [
+    "ROW_UNIT_FIELDS",
+    "UNIT_FIELDS",
+    "Cursor",
+    "ResumePoint",
+    "UnitInfo",
+    "carry_unit_columns",
+    "file_positions",
+    "ordered_files",
+    "point_after",
+    "row_unit_columns",
+    "unit_columns",
+]
+
+# Constant within a unit; they let packing verify it saw a whole unit and let the trainer turn
+# "rows consumed" into a resume position.
+UNIT_FIELDS = [
+    ("unit_id", pa.int64()),  # sample id of the unit's first record
+    ("unit_start_byte", pa.int64()),  # byte offset of that record's line (-1: not seekable)
+    ("unit_end_row", pa.int64()),  # row after the unit's last record, in its file
+    ("unit_end_byte", pa.int64()),  # byte offset after the unit (-1: not seekable)
+    ("unit_records", pa.int32()),  # records in the unit (after the eval split)
+    ("unit_skip", pa.int32()),  # packed rows of this unit already trained on (resume)
+]
+# Where each packed row sits in its unit: what resumption needs.
+ROW_UNIT_FIELDS = [
+    ("unit_id", pa.int64()),
+    ("unit_start_byte", pa.int64()),
+    ("unit_end_row", pa.int64()),
+    ("unit_end_byte", pa.int64()),
+    ("unit_row", pa.int32()),  # index of this row among the unit's packed rows
+    ("unit_rows", pa.int32()),  # packed rows the unit produced
+]
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where reading a file starts: a row and, when known, the byte offset of that row's line."""
+
+    row: int = 0
+    byte: int = -1  # -1: unknown or not seekable (compressed) -> skip rows from the start
+
+    @property
+    def at_start(self) -> bool:
+        return self.row == 0
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a stream starts: file ``file_pos`` of the epoch's read order, at a unit boundary.
+
+    ``row``/``byte`` locate the unit's first record in that file; ``skip_rows`` of that unit's packed
+    rows were already trained on. Made by :func:`point_after` from the rows a run consumed.
+    """
+
+    epoch: int = 0
+    file_pos: int = 0
+    row: int = 0
+    byte: int = -1
+    skip_rows: int = 0
+
+    @property
+    def cursor(self) -> Cursor:
+        """Where the first file is opened."""
+        return Cursor(self.row, self.byte)
+
+
+@dataclass(frozen=True)
+class UnitInfo:
+    """The unit columns of a read block, as one value (see :data:`UNIT_FIELDS`)."""
+
+    unit_id: int
+    start_byte: int
+    end_row: int
+    end_byte: int
+    skip: int = 0
+
+    @classmethod
+    def of(cls, unit: pa.Table) -> UnitInfo:
+        """The unit of a table holding one unit's records (read or tokenized)."""
+        col = unit.column
+        return cls(col("unit_id")[0].as_py(), col("unit_start_byte")[0].as_py(), col("unit_end_row")[0].as_py(),
+                   col("unit_end_byte")[0].as_py(), col("unit_skip")[0].as_py())
+
+
+def _const(n: int, value: int, typ: pa.DataType) -> pa.Array:
+    return pa.array(np.full(n, value), typ)
+
+
+def unit_columns(info: UnitInfo, n_records: int) -> list[pa.Array]:
+    """The :data:`UNIT_FIELDS` columns of a read block holding ``n_records`` records of unit ``info``."""
+    values = (info.unit_id, info.start_byte, info.end_row, info.end_byte, n_records, info.skip)
+    return [_const(n_records, v, typ) for v, (_, typ) in zip(values, UNIT_FIELDS, strict=True)]
+
+
+def carry_unit_columns(src: pa.Table, dst: pa.Table) -> pa.Table:
+    """``dst`` (same rows as ``src``, e.g. the tokenizer's output) with ``src``'s unit columns appended."""
+    for name, _ in UNIT_FIELDS:
+        dst = dst.append_column(name, src.column(name))
+    return dst
+
+
+def row_unit_columns(info: UnitInfo, n_rows: int, skip: int) -> list[pa.Array]:
+    """The :data:`ROW_UNIT_FIELDS` columns of a unit's packed rows ``skip..n_rows-1``."""
+    k = n_rows - skip
+    return [
+        _const(k, info.unit_id, pa.int64()),
+        _const(k, info.start_byte, pa.int64()),
+        _const(k, info.end_row, pa.int64()),
+        _const(k, info.end_byte, pa.int64()),
+        pa.array(np.arange(skip, n_rows), pa.int32()),
+        _const(k, n_rows, pa.int32()),
+    ]
+
+
+def point_after(row: Mapping[str, Any], file_pos_of: Mapping[int, int], epoch: int) -> ResumePoint:
+    """The resume point right after ``row`` (a packed row's :data:`ROW_UNIT_FIELDS`) was trained on.
+
+    ``file_pos_of`` maps a source index to its position in the epoch's read order (:func:`file_positions`).
+    """
+    source, first_row = split_sample_id(row["unit_id"])
+    file_pos = file_pos_of[source]
+    if row["unit_row"] + 1 < row["unit_rows"]:
+        return ResumePoint(epoch, file_pos, first_row, row["unit_start_byte"], row["unit_row"] + 1)
+    return ResumePoint(epoch, file_pos, row["unit_end_row"], row["unit_end_byte"], 0)
+
+
+def ordered_files(table: SourceTable, seed: int, epoch: int, datasets: list[int] | None = None) -> list[int]:
+    """Indices into ``table.files`` in the epoch's read order, optionally only some dataset entries."""
+    chosen = [f.source_index for f in table.files if datasets is None or f.dataset_index in datasets]
+    return [chosen[i] for i in file_order(len(chosen), seed, epoch)]
+
+
+def file_positions(table: SourceTable, seed: int, epoch: int, datasets: list[int] | None = None) -> dict[int, int]:
+    """Source index -> position in the epoch's read order (what :func:`point_after` needs)."""
+    return {source: pos for pos, source in enumerate(ordered_files(table, seed, epoch, datasets))}
+
