@@ -37,9 +37,19 @@ def file_order(n_files: int, seed: int, epoch: int = 0) -> list[int]:
     return order
 
 
-def unit_shuffle_seed(seed: int, epoch: int, unit_id: int) -> list[int]:
-    """Entropy for ``np.random.default_rng`` that shuffles one unit's packed rows in a stream epoch."""
-    return [(seed + 1_000_003 * epoch) & 0xFFFFFFFF, unit_id & 0xFFFFFFFFFFFF]
+U64 = (1 << 64) - 1
+UNIT_SHUFFLE_DOMAIN = 0x756E6974  # "unit": keeps these streams apart from any other use of the same numbers
+
+
+def unit_shuffle_seed(seed: int, epoch: int, unit_id: int) -> np.random.SeedSequence:
+    """The seed of one unit's row shuffle in a stream epoch: numpy's ``SeedSequence`` hash of the
+    whole ``(domain, seed, epoch, unit id)`` tuple, every word kept in full.
+
+    Nothing is folded or masked, so distinct tuples give distinct entropy and only a hash collision
+    (2**-128) could give two units the same order. (Before, ids were masked to 48 bits, so file i and
+    file i+256 shuffled alike, and ``seed + 1_000_003 * epoch`` aliased seeds with epochs.)
+    """
+    return np.random.SeedSequence([UNIT_SHUFFLE_DOMAIN, seed & U64, epoch & U64, unit_id & U64])
 
 
 def local_shuffle_seed(seed: int, epoch: int, rank: int) -> int:
