@@ -1,11 +1,14 @@
 """A Ray Data ``Datasource`` over the resolved files: read tasks own whole files.
 
 Each read task streams its files and yields one Arrow block per *packing unit* (``unit_size``
-consecutive records of one file)::
+consecutive records of one file), holding **one row**: the unit is atomic in the data, so however
+Ray Data re-buffers or slices blocks it can never cut a unit in two::
 
-    sample_id: int64    (source_index << 40) | row, see pipelines.sources
-    record:    string   the record as a JSON object text, e.g. '{"instruction": "...", "output": "..."}'
-    unit_*:             constant per unit: where it starts and ends in its file (pipelines.units.UNIT_FIELDS)
+    sample_id: list<int64>    (source_index << 40) | row per record, see pipelines.sources
+    record:    list<string>   each record as a JSON object text, e.g. '{"instruction": "...", "output": "..."}'
+    unit_*:                   where the unit starts and ends in its file (pipelines.units.UNIT_FIELDS)
+
+``pipelines.units.explode_units`` turns such blocks into one row per record (the tokenizer does).
 
 Records stay JSON text until the tokenizer actors parse them, so a block's schema never depends on
 the data (nested chat turns, optional fields) and parsing runs in the parallel actor pool. Read tasks
@@ -35,12 +38,12 @@ from pipelines.seeds import splitmix64
 from pipelines.sources import SourceFile, SourceTable, make_sample_id
 from pipelines.stats import Counts, StatsSink
 from pipelines.storage import StorageOptions, filesystem_for
-from pipelines.units import UNIT_FIELDS, Cursor, UnitInfo, unit_columns
+from pipelines.units import FIRST_UNIT_BYTES, UNIT_FIELDS, Cursor, UnitInfo, explode_units, unit_columns
 
 BLOCK_RECORDS = 1024
 READ_CHUNK_BYTES = 8 << 20
 MAX_UNIT_BYTES = 32 << 20
-SCHEMA = pa.schema([("sample_id", pa.int64()), ("record", pa.string()), *UNIT_FIELDS])
+SCHEMA = pa.schema([("sample_id", pa.list_(pa.int64())), ("record", pa.list_(pa.string())), *UNIT_FIELDS])
 
 
 class BadRecordError(ValueError):
@@ -57,6 +60,7 @@ class ReadOptions:
     eval_fraction: float = 0.0
     split: str = "train"
     unit_size: int = 10000  # records per packing unit (data.pack_buffer_size)
+    first_unit_source: int = -1  # the stream's first file: its first unit is small (see pipelines.units)
 
 
 BadHandler = Callable[[str, str], None]  # (location, message)
@@ -241,16 +245,16 @@ def _unit_table(u: _Unit, end_row: int, end_byte: int, opts: ReadOptions) -> pa.
         idx = np.nonzero(keep)[0]
         arr, records = arr[idx], [records[i] for i in idx]
     info = UnitInfo(u.ids[0], u.start_byte, end_row, end_byte, u.skip)
-    columns = [pa.array(arr, pa.int64()), pa.array(records, pa.string()), *unit_columns(info, len(arr))]
+    columns = [pa.array([arr], pa.list_(pa.int64())), pa.array([records], pa.list_(pa.string())), *unit_columns(info, len(arr))]
     return pa.Table.from_arrays(columns, schema=SCHEMA)
 
 
 def read_files(files: list[SourceFile], opts: ReadOptions, sink: StatsSink, start: Cursor | None = None,
                skip_rows: int = 0) -> Iterator[pa.Table]:
-    """The body of one read task: stream its files and yield one block per packing unit.
+    """The body of one read task: stream its files and yield one block (of one row) per packing unit.
 
     A unit is ``opts.unit_size`` consecutive records of one file (or fewer, at the file's end or past
-    ``MAX_UNIT_BYTES``). Units are what packing works on and what resumption counts, so they depend
+    ``MAX_UNIT_BYTES``; the stream's first unit stops at ``FIRST_UNIT_BYTES``, see :mod:`pipelines.units`). Units are what packing works on and what resumption counts, so they depend
     only on the data and the config. ``start`` resumes the first file at a unit boundary; that unit's
     first ``skip_rows`` packed rows were already trained on and are dropped after packing.
     """
@@ -270,13 +274,15 @@ def read_files(files: list[SourceFile], opts: ReadOptions, sink: StatsSink, star
         end_row, end_byte = cursor.row, cursor.byte
         for row, record, rec_start, rec_end in reader(fs, file, bad, cursor):
             if unit is None:
+                first = row == 0 and file.source_index == opts.first_unit_source
+                max_bytes = FIRST_UNIT_BYTES if first else MAX_UNIT_BYTES
                 unit = _Unit(file, [], [], rec_start, skip=pending_skip)
                 pending_skip = 0
             unit.ids.append(make_sample_id(file.source_index, row))
             unit.records.append(record)
             unit.nbytes += len(record)
             end_row, end_byte = row + 1, rec_end
-            if len(unit.ids) >= opts.unit_size or unit.nbytes >= MAX_UNIT_BYTES:
+            if len(unit.ids) >= opts.unit_size or unit.nbytes >= max_bytes:
                 counts.add("records_read", len(unit.ids))
                 yield _unit_table(unit, end_row, end_byte, opts)
                 unit = None
@@ -290,8 +296,8 @@ def read_files(files: list[SourceFile], opts: ReadOptions, sink: StatsSink, star
 def group_files(files: list[SourceFile], parallelism: int) -> list[list[SourceFile]]:
     """Split files into exactly ``min(parallelism, len(files))`` contiguous groups of similar size.
 
-    Exactly that many: Ray Data splits the output blocks of a read that returns fewer tasks than it
-    asked for, and a split block would cut a packing unit in two. Example: sizes [5, 1, 1, 1, 4]
+    Exactly that many, so Ray Data does not split the read's output blocks to make up the count (a
+    unit is one row, so a split could not cut one, but it costs extra tasks). Example: sizes [5, 1, 1, 1, 4]
     into 2 groups: cut where the running total first reaches half of 12 -> [[5, 1], [1, 1, 4]].
     """
     n = max(1, min(parallelism, len(files)))
@@ -345,5 +351,6 @@ class ShardDatasource(Datasource):
 def read_all_records(table: SourceTable, opts: ReadOptions) -> Iterator[tuple[int, str]]:
     """Every ``(sample_id, record)`` of a table in file order, without Ray (tests and tools)."""
     for block in read_files(list(table.files), opts, StatsSink()):
-        yield from zip(block.column("sample_id").to_pylist(), block.column("record").to_pylist(), strict=True)
+        records = explode_units(block)
+        yield from zip(records.column("sample_id").to_pylist(), records.column("record").to_pylist(), strict=True)
 

@@ -20,9 +20,8 @@ import json
 from typing import Any
 
 import pyarrow.fs as pafs
-from streaming.base.compression import is_compression
-from streaming.base.format.mds.encodings import is_mds_encoding, is_mds_encoding_safe
 
+from pipelines import mosaic
 from pipelines.config import DatasetConfig
 from pipelines.storage import StorageOptions, filesystem_for, with_retries
 
@@ -88,15 +87,15 @@ def check_shard_entry(shard: Any, label: str) -> None:
         raise MDSError(f"{label}: column_names and column_encodings are missing or differ in length")
     for name, enc in zip(names, encodings, strict=True):
         try:
-            known = is_mds_encoding(enc)
+            known = mosaic.encodings.is_mds_encoding(enc)
         except (KeyError, ValueError, TypeError):
             known = False
         if not known:
             raise MDSError(f"{label}: column {name!r} has unknown MDS encoding {enc!r}")
-        if not is_mds_encoding_safe(enc):
+        if not mosaic.encodings.is_mds_encoding_safe(enc):
             raise MDSError(f"{label}: column {name!r} uses the unsafe encoding {enc!r} (pickle runs code on load); "
                            "re-write the dataset with a safe encoding")
-    if shard.get("compression") and not is_compression(shard["compression"]):
+    if shard.get("compression") and not mosaic.compression.is_compression(shard["compression"]):
         raise MDSError(f"{label}: unknown compression {shard['compression']!r}")
     if shard.get("compression") and not shard.get("zip_data"):
         raise MDSError(f"{label}: compression {shard['compression']!r} but no zip_data entry")

@@ -16,7 +16,6 @@ refuses it under a different tokenizer.
 from __future__ import annotations
 
 import decimal
-import inspect
 import json
 import logging
 from collections.abc import Callable, Iterator
@@ -24,10 +23,8 @@ from typing import Any
 
 import numpy as np
 import pyarrow.fs as pafs
-from streaming.base.compression import decompress
-from streaming.base.format.mds.reader import MDSReader
-from streaming.base.hashing import get_hash, is_hash
 
+from pipelines import mosaic
 from pipelines.config import Config
 from pipelines.mds_index import (
     HASH_PREFERENCE,
@@ -42,18 +39,16 @@ from pipelines.storage import StorageOptions, with_retries
 from pipelines.tokenizer import tokenizer_fingerprint
 from pipelines.units import Cursor
 
-_READER_ARGS = set(inspect.signature(MDSReader.__init__).parameters) - {"self", "dirname", "split"}
-
 log = logging.getLogger(__name__)
 
 
 def _verify_hash(data: bytes, info: dict[str, Any], label: str) -> None:
     """Check one listed hash (the fastest known one) of the bytes as fetched."""
     hashes = info.get("hashes") or {}
-    algo = next((a for a in HASH_PREFERENCE if a in hashes), None) or next((a for a in sorted(hashes) if is_hash(a)), None)
+    algo = next((a for a in HASH_PREFERENCE if a in hashes), None) or next((a for a in sorted(hashes) if mosaic.hashing.is_hash(a)), None)
     if algo is None:
         return
-    got = get_hash(algo, data)
+    got = mosaic.hashing.get_hash(algo, data)
     if got != hashes[algo]:
         raise MDSError(f"{label}: {algo} hash mismatch (index.json says {hashes[algo]}, the file hashes to {got}); "
                        "the shard is corrupt or was replaced")
@@ -86,7 +81,7 @@ def fetch_shard(fs: pafs.FileSystem, file: SourceFile) -> bytes:
     _verify_hash(data, info, label)
     if zip_info:
         try:
-            data = decompress(shard["compression"], data)
+            data = mosaic.compression.decompress(shard["compression"], data)
         except Exception as err:  # zstd/gzip/... each raise their own error types
             raise MDSError(f"{label}: cannot decompress ({shard['compression']}): {err}") from None
     if len(data) != raw_info.get("bytes", len(data)):
@@ -94,17 +89,20 @@ def fetch_shard(fs: pafs.FileSystem, file: SourceFile) -> bytes:
     return data
 
 
-class MemoryShard(MDSReader):
-    """mosaic's ``MDSReader`` over a shard held in memory: ``get_sample_data`` slices the buffer
-    (mosaic's reads the same offsets table from a local file); decoding is mosaic's own."""
+class MemoryShard:
+    """An MDS shard held in memory, decoded sample by sample as mosaic's ``MDSReader.decode_sample``
+    does (layout: sample count, n+1 offsets, config, samples; a sample is the uint32 sizes of its
+    variable-size columns, then each column's bytes in column order), with mosaic's ``mds_decode``.
+    Not ``MDSReader`` itself: importing it imports torch (see :mod:`pipelines.mosaic`)."""
 
-    raw: bytes = b""
-    offsets: np.ndarray
+    def __init__(self, raw: bytes, offsets: np.ndarray, names: list[str], encodings: list[str],
+                 sizes: list[int | None]) -> None:
+        self.raw, self.offsets = raw, offsets
+        self.columns = list(zip(names, encodings, sizes, strict=True))
 
     @classmethod
     def from_bytes(cls, shard: dict[str, Any], raw: bytes, label: str) -> MemoryShard:
-        """Check the shard header against the index and wrap ``raw`` (layout: n, n+1 offsets, config, samples)."""
-        reader = cls.from_json("", None, {k: v for k, v in shard.items() if k in _READER_ARGS | {"version", "format"}})
+        """Check the shard header against the index and wrap ``raw``."""
         if len(raw) < 4:
             raise MDSError(f"{label}: shard too short ({len(raw)} bytes) to hold an MDS header")
         n = int(np.frombuffer(raw, np.uint32, count=1)[0])
@@ -113,11 +111,26 @@ class MemoryShard(MDSReader):
         offsets = np.frombuffer(raw, np.uint32, count=n + 1, offset=4).astype(np.int64)
         if offsets[-1] != len(raw) or (np.diff(offsets) < 0).any():
             raise MDSError(f"{label}: corrupt sample offsets (ends at {offsets[-1]}, shard has {len(raw)} bytes)")
-        reader.raw, reader.offsets = raw, offsets
-        return reader
+        names, encs = shard["column_names"], shard["column_encodings"]
+        sizes = shard.get("column_sizes") or [mosaic.encodings.get_mds_encoded_size(e) for e in encs]
+        return cls(raw, offsets, names, encs, sizes)
 
-    def get_sample_data(self, idx: int) -> bytes:
-        return self.raw[self.offsets[idx] : self.offsets[idx + 1]]
+    def get_item(self, idx: int) -> dict[str, Any]:
+        """Sample ``idx`` as mosaic decodes it, e.g. ``{"text": "...", "tokens": array([...])}``."""
+        data = self.raw[self.offsets[idx] : self.offsets[idx + 1]]
+        pos, sizes = 0, []
+        for _, _, size in self.columns:
+            if not size:
+                size = int(np.frombuffer(data, np.uint32, count=1, offset=pos)[0])
+                pos += 4
+            sizes.append(size)
+        sample = {}
+        for (name, enc, _), size in zip(self.columns, sizes, strict=True):
+            if pos + size > len(data):
+                raise ValueError(f"column {name!r} runs past the end of the sample ({pos + size} > {len(data)} bytes)")
+            sample[name] = mosaic.encodings.mds_decode(enc, data[pos : pos + size])
+            pos += size
+        return sample
 
 
 def _token_array(value: Any, column: str) -> Any:

@@ -19,10 +19,11 @@ import pyarrow.fs as pafs
 from ray.data.block import Block, BlockAccessor
 from ray.data.datasource import Datasink
 from ray.data.datasource.datasink import WriteResult
-from streaming.base.format.mds.writer import MDSWriter
 
+from pipelines import mosaic
 from pipelines.mds_index import INDEX, MDSError
 from pipelines.storage import StorageError, StorageOptions, filesystem_for, is_remote, with_retries
+from pipelines.units import explode_units
 
 
 def encoding_for(typ: pa.DataType) -> str:
@@ -142,18 +143,107 @@ def _record_rows(table: pa.Table, columns: dict[str, str], record_column: str,
         yield sample
 
 
-class _PartWriter(MDSWriter):
-    """``MDSWriter`` that hands every finished shard file to ``on_file`` (upload, then delete locally)."""
+SIZE_UNITS = {"kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
 
-    def __init__(self, *, on_file: Callable[[str], None] | None, **kwargs: Any) -> None:
-        self._on_file = on_file
-        super().__init__(**kwargs)
+
+def parse_size(value: int | str) -> int:
+    """A shard size limit as mosaic accepts it: bytes, or text such as ``"64mb"`` (powers of 1024)."""
+    if isinstance(value, int | float):
+        return int(value)
+    text = value.strip().lower()
+    for suffix, scale in SIZE_UNITS.items():
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * scale)
+    return int(text.rstrip("b"))
+
+
+class _PartWriter:
+    """Writes one directory of MDS shards exactly as mosaic's ``MDSWriter`` lays them out (file names,
+    shard bytes, index entries), using mosaic's encodings, compression and hashes; each finished file
+    is handed to ``on_file`` (upload, then delete locally). ``MDSWriter`` itself is not used because
+    importing it imports torch (~4.5 s per write worker, see :mod:`pipelines.mosaic`).
+
+    Shard bytes: ``uint32 n``, ``n + 1`` uint32 offsets, the JSON config, then the samples; a sample
+    is the uint32 sizes of its variable-size columns followed by each column's encoded bytes.
+    """
+
+    EXTRA_BYTES_PER_SAMPLE = 4  # its offset
+
+    def __init__(self, *, out: str, columns: dict[str, str], compression: str | None, hashes: list[str],
+                 size_limit: int | str | None, on_file: Callable[[str], None] | None = None) -> None:
+        enc = mosaic.encodings
+        for name, encoding in columns.items():
+            if not enc.is_mds_encoding(encoding):
+                raise MDSError(f"MDS datasink: column {name!r} has unknown MDS encoding {encoding!r}")
+        if compression and not mosaic.compression.is_compression(compression):
+            raise MDSError(f"MDS datasink: unknown compression {compression!r}")
+        for algo in hashes:
+            if not mosaic.hashing.is_hash(algo):
+                raise MDSError(f"MDS datasink: unknown hash {algo!r}")
+        limit = parse_size(size_limit) if size_limit else None
+        if limit is not None and not 0 < limit < 2**32:
+            raise MDSError(f"MDS datasink: size_limit {limit} must be between 1 and 2**32 - 1 (uint32 offsets)")
+        self.out, self.on_file = out, on_file
+        self.names = sorted(columns)
+        self.encodings = [columns[n] for n in self.names]
+        self.sizes = [enc.get_mds_encoded_size(e) for e in self.encodings]
+        self.compression, self.hashes, self.size_limit = compression or None, sorted(hashes), limit
+        self.config = {"version": 2, "format": "mds", "compression": self.compression, "hashes": self.hashes,
+                       "size_limit": limit, "column_names": self.names, "column_encodings": self.encodings,
+                       "column_sizes": self.sizes}
+        self.config_data = json.dumps(self.config, sort_keys=True).encode("utf-8")
+        self.shards: list[dict[str, Any]] = []
+        self._samples: list[bytes] = []
+        self._size = 8 + len(self.config_data)
+        os.makedirs(out, exist_ok=True)
+
+    def encode_sample(self, sample: dict[str, Any]) -> bytes:
+        head, body = [], []
+        for name, encoding, size in zip(self.names, self.encodings, self.sizes, strict=True):
+            datum = mosaic.encodings.mds_encode(encoding, sample[name])
+            if size is None:
+                head.append(len(datum))
+            elif size != len(datum):
+                raise MDSError(f"MDS datasink: column {name!r} encodes to {len(datum)} bytes, {encoding!r} takes {size}")
+            body.append(datum)
+        return np.array(head, np.uint32).tobytes() + b"".join(body)
+
+    def write(self, sample: dict[str, Any]) -> None:
+        data = self.encode_sample(sample)
+        size = len(data) + self.EXTRA_BYTES_PER_SAMPLE
+        if self.size_limit and self._samples and self.size_limit < self._size + size:
+            self.flush_shard()
+        self._samples.append(data)
+        self._size += size
+
+    def _file(self, data: bytes, basename: str) -> dict[str, Any]:
+        hashes = {algo: mosaic.hashing.get_hash(algo, data) for algo in self.hashes}
+        return {"basename": basename, "bytes": len(data), "hashes": hashes}
 
     def flush_shard(self) -> None:
-        super().flush_shard()
-        if self._on_file is not None:
-            info = self.shards[-1]
-            self._on_file((info.get("zip_data") or info["raw_data"])["basename"])
+        n = len(self._samples)
+        offsets = np.array([0, *map(len, self._samples)]).cumsum().astype(np.uint32)
+        offsets += 4 + 4 * (n + 1) + len(self.config_data)
+        raw = np.uint32(n).tobytes() + offsets.tobytes() + self.config_data + b"".join(self._samples)
+        raw_name = f"shard.{len(self.shards):05}.mds"
+        raw_info, zip_info, data, name = self._file(raw, raw_name), None, raw, raw_name
+        if self.compression:
+            name = f"{raw_name}.{mosaic.compression.get_compression_extension(self.compression)}"
+            data = mosaic.compression.compress(self.compression, raw)
+            zip_info = self._file(data, name)
+        with open(os.path.join(self.out, name), "wb") as f:
+            f.write(data)
+        self.shards.append({"samples": n, "raw_data": raw_info, "zip_data": zip_info, **self.config})
+        self._samples, self._size = [], 8 + len(self.config_data)
+        if self.on_file is not None:
+            self.on_file(name)
+
+    def finish(self) -> None:
+        """Flush the last shard and write this directory's ``index.json`` (as ``MDSWriter`` does)."""
+        if self._samples:
+            self.flush_shard()
+        with open(os.path.join(self.out, INDEX), "w") as f:
+            json.dump({"version": 2, "shards": self.shards}, f, sort_keys=True)
 
 
 class MDSDatasink(Datasink[dict]):
@@ -249,6 +339,8 @@ class MDSDatasink(Datasink[dict]):
         try:
             for block in blocks:
                 table = BlockAccessor.for_block(block).to_arrow()
+                if self.record_column:
+                    table = explode_units(table)  # read blocks hold one row per unit
                 if table.num_rows == 0:
                     continue
                 if self.record_column:
@@ -260,7 +352,7 @@ class MDSDatasink(Datasink[dict]):
                 if writer is None:
                     writer = _PartWriter(on_file=upload if remote else None, out=local, columns=columns,
                                          compression=self.compression, hashes=self.hashes,
-                                         size_limit=self.size_limit, exist_ok=True, max_workers=1)
+                                         size_limit=self.size_limit)
                 for sample in samples:
                     writer.write(sample)
                     rows += 1

@@ -24,8 +24,11 @@ from pipelines.datasource import BadRecordError
 from pipelines.formats import Formatted, RecordError, make_formatter
 from pipelines.sources import SourceTable, split_sample_id
 from pipelines.stats import Counts, StatsSink
-from pipelines.tokenizer import IGNORE_INDEX, load_tokenizer
-from pipelines.units import carry_unit_columns
+from pipelines.tokenizer import IGNORE_INDEX, load_backend, load_tokenizer
+from pipelines.units import carry_unit_columns, explode_units
+
+# Dataset types whose formatter needs the transformers tokenizer (its chat template).
+HF_FORMATS = ("chat_template",)
 
 __all__ = ["IGNORE_INDEX", "TOKENIZED_SCHEMA", "Tokenizer", "list_array", "span_labels", "tokenized_table"]
 TOKENIZED_SCHEMA = pa.schema(
@@ -82,20 +85,23 @@ class Tokenizer:
     def __init__(self, data: DataConfig, model: ModelConfig, table: SourceTable, sink: StatsSink, threads: int = 1):
         os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "true" if threads > 1 else "false")
-        self.data, self.table, self.sink = data, table, sink
-        self.hf = load_tokenizer(model)
-        if not getattr(self.hf, "is_fast", False):
-            raise ValueError(f"tokenizer {model.tokenizer_path!r} is not a fast tokenizer (needs tokenizer.json)")
-        # Lengths are ours to manage: a truncation or padding setting saved inside tokenizer.json
-        # (the upstream GPT-2 file truncates at 50 tokens) would silently cut samples.
-        self.backend = self.hf.backend_tokenizer
-        self.backend.no_truncation()
-        self.backend.no_padding()
-        self.eos = self.hf.eos_token_id
-        self.vocab_size, self.tokenizer_name = len(self.hf), model.tokenizer_path
-        self.formatters = [make_formatter(ds, data, self.hf) for ds in table.datasets]
+        self.data, self.model, self.table, self.sink = data, model, table, sink
+        # Chat templates need the transformers tokenizer; other formats only the Rust one, which loads
+        # without importing transformers when that gives the same encoding (pipelines.tokenizer).
+        self._hf = load_tokenizer(model) if any(ds.type in HF_FORMATS for ds in table.datasets) else None
+        backend = load_backend(model, self._hf)
+        self.backend, self.eos, self.vocab_size = backend.tokenizer, backend.eos_token_id, backend.vocab_size
+        self.tokenizer_name = model.tokenizer_path
+        self.formatters = [make_formatter(ds, data, self._hf) for ds in table.datasets]
         if data.add_eos and self.eos is None and any(ds.type in ("completion", "alpaca") for ds in table.datasets):
             raise ValueError(f"tokenizer {model.tokenizer_path!r} has no eos_token; set data.add_eos: false")
+
+    @property
+    def hf(self) -> Any:
+        """The transformers tokenizer (loaded on first use where the stage itself does not need it)."""
+        if self._hf is None:
+            self._hf = load_tokenizer(self.model)
+        return self._hf
 
     # -- one record -------------------------------------------------------------------------
     def _format(self, sample_id: int, record: str, counts: Counts) -> Formatted | Pretokenized | None:
@@ -164,6 +170,7 @@ class Tokenizer:
         """Tokenize a batch. The row count is kept: a skipped sample becomes an empty row, so the
         packing stage can check it received every record of a unit."""
         counts = Counts()
+        batch = explode_units(batch)
         sids = batch.column("sample_id").to_pylist()
         formatted = [self._format(sid, rec, counts) for sid, rec in zip(sids, batch.column("record").to_pylist(), strict=True)]
         live = [i for i, f in enumerate(formatted) if isinstance(f, Formatted)]

@@ -1,11 +1,16 @@
 """Packing units and resume positions: the one owner of the ``unit_*`` columns and :class:`ResumePoint`.
 
-A *unit* is a run of consecutive records of one file (``data.pack_buffer_size`` of them). It is packed on its own, so its rows
-depend only on its records and the config, and a stream position is "file, unit, rows done".
+A *unit* is a run of consecutive records of one file (``data.pack_buffer_size`` of them). It is
+packed on its own, so its rows depend only on its records and the config, and a stream position is
+"file, unit, rows done". The stream's first unit (row 0 of the first file of an epoch's read order)
+is smaller: it ends once its records reach :data:`FIRST_UNIT_BYTES`, so the first packed row comes
+after ~300 Alpaca-sized records instead of a whole pack buffer. Like every boundary it depends only
+on the data and the config, so a resumed run cuts the same units.
 The unit travels *in the data*, as constant columns, never as a block boundary the runtime must keep:
 
-* read blocks (``pipelines.datasource``) carry :data:`UNIT_FIELDS` next to each record; the
-  tokenizer stage copies them through (:func:`carry_unit_columns`);
+* read blocks (``pipelines.datasource``) hold one row per unit (lists of sample ids and records)
+  and :data:`UNIT_FIELDS`; :func:`explode_units` makes that one row per record, and the tokenizer
+  stage copies the unit columns through (:func:`carry_unit_columns`);
 * packed rows (``pipelines.packing``) carry :data:`ROW_UNIT_FIELDS`: the unit's location plus the
   row's index among the unit's packed rows;
 * the trainer turns the last row it trained on into a :class:`ResumePoint` (:func:`point_after`).
@@ -26,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from pipelines.seeds import file_order
 from pipelines.sources import SourceTable, split_sample_id
@@ -36,13 +42,25 @@ __all__ = [
     "Cursor",
     "ResumePoint",
     "UnitInfo",
+    "FIRST_UNIT_BYTES",
+    "READ_BLOCK_BYTES",
     "carry_unit_columns",
+    "explode_units",
     "file_positions",
     "ordered_files",
     "point_after",
     "row_unit_columns",
     "unit_columns",
 ]
+
+# Ray Data's target block size for the pipeline's datasets. A read task's output is buffered until it
+# exceeds this, so a unit block (one row, hence never sliced) leaves its task as soon as it is read
+# instead of when the task ends (the default is 128 MB); packed rows are sliced into blocks of about
+# this size.
+READ_BLOCK_BYTES = 256 << 10
+# The stream's first unit ends once its records reach this many characters (the block target: its
+# block is then larger than the target and leaves the read task at once). About 320 Alpaca records.
+FIRST_UNIT_BYTES = READ_BLOCK_BYTES
 
 # Constant within a unit; they let packing verify it saw a whole unit and let the trainer turn
 # "rows consumed" into a resume position.
@@ -120,9 +138,9 @@ def _const(n: int, value: int, typ: pa.DataType) -> pa.Array:
 
 
 def unit_columns(info: UnitInfo, n_records: int) -> list[pa.Array]:
-    """The :data:`UNIT_FIELDS` columns of a read block holding ``n_records`` records of unit ``info``."""
+    """The :data:`UNIT_FIELDS` columns of a read block's one row: unit ``info`` holding ``n_records`` records."""
     values = (info.unit_id, info.start_byte, info.end_row, info.end_byte, n_records, info.skip)
-    return [_const(n_records, v, typ) for v, (_, typ) in zip(values, UNIT_FIELDS, strict=True)]
+    return [_const(1, v, typ) for v, (_, typ) in zip(values, UNIT_FIELDS, strict=True)]
 
 
 def carry_unit_columns(src: pa.Table, dst: pa.Table) -> pa.Table:
@@ -130,6 +148,23 @@ def carry_unit_columns(src: pa.Table, dst: pa.Table) -> pa.Table:
     for name, _ in UNIT_FIELDS:
         dst = dst.append_column(name, src.column(name))
     return dst
+
+
+def explode_units(units: pa.Table) -> pa.Table:
+    """Unit rows (list columns ``sample_id``, ``record``) -> one row per record, unit columns repeated.
+
+    Example: one unit row ``sample_id=[7, 8], record=['{..}', '{..}'], unit_id=7, ...`` -> two rows
+    ``(7, '{..}', unit_id=7, ...)`` and ``(8, '{..}', unit_id=7, ...)``. A table already holding one
+    row per record is returned as is.
+    """
+    if not pa.types.is_list(units.schema.field("record").type):
+        return units
+    sid = units.column("sample_id").combine_chunks()
+    parents = pc.list_parent_indices(sid)
+    columns = [sid.flatten(), units.column("record").combine_chunks().flatten()]
+    columns += [units.column(name).take(parents) for name, _ in UNIT_FIELDS]
+    names = ["sample_id", "record", *(name for name, _ in UNIT_FIELDS)]
+    return pa.Table.from_arrays(columns, names=names)
 
 
 def row_unit_columns(info: UnitInfo, n_rows: int, skip: int) -> list[pa.Array]:
