@@ -34,6 +34,7 @@ from pipelines.mds_index import (
     read_tokenized_meta,
     shard_name,
 )
+from pipelines.records import pack_array
 from pipelines.sources import SourceFile, SourceTable
 from pipelines.storage import StorageOptions, with_retries
 from pipelines.tokenizer import tokenizer_fingerprint
@@ -185,6 +186,9 @@ def read_mds(fs: pafs.FileSystem, file: SourceFile, bad: Callable[[str, str], No
     for row in range(cursor.row if cursor else 0, shard["samples"]):
         try:
             rec = sample_to_record(reader.get_item(row))
+            for col in TOKEN_COLUMNS:  # compact: base64 of the raw ids (pipelines.records)
+                if isinstance(rec.get(col), np.ndarray) and rec[col].dtype.kind in "iu" and rec[col].ndim == 1:
+                    rec[col] = pack_array(rec[col])
             text = json.dumps(rec, ensure_ascii=False, default=_jsonable)
         except Exception as err:  # a value mosaic cannot decode, or one with no JSON form
             bad(f"{label} row {row}", f"cannot decode the sample: {err}")

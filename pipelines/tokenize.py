@@ -22,6 +22,7 @@ import pyarrow as pa
 from pipelines.config import DataConfig, ModelConfig
 from pipelines.datasource import BadRecordError
 from pipelines.formats import Formatted, RecordError, make_formatter
+from pipelines.records import unpack_array
 from pipelines.sources import SourceTable, split_sample_id
 from pipelines.stats import Counts, StatsSink
 from pipelines.tokenizer import IGNORE_INDEX, load_backend, load_tokenizer
@@ -126,8 +127,8 @@ class Tokenizer:
         id must at least be in this tokenizer's vocabulary, and labels must align with the ids.
         """
         try:
-            ids = np.asarray(rec["input_ids"], dtype=np.int64)
-            labels = np.asarray(rec["labels"], dtype=np.int64) if rec.get("labels") is not None else ids
+            ids = unpack_array(rec["input_ids"])
+            labels = unpack_array(rec["labels"]) if rec.get("labels") is not None else ids
         except (TypeError, ValueError, OverflowError):
             return self._bad(sample_id, "input_ids/labels should be lists of integers", counts)
         if ids.ndim != 1 or len(ids) == 0:
