@@ -63,6 +63,6 @@ cfg = config_from_dict({{"model": {{"tokenizer": "{GPT2}", "init": {{}}}},
 Tokenizer(cfg.data, cfg.model, resolve_sources(cfg), StatsSink())
 print(sorted(m for m in ("transformers", "torch") if m in sys.modules))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
