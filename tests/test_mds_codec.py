@@ -17,7 +17,7 @@ def _rows(k: int = 300) -> list[dict]:
             for i in range(k)]
 
 
-@pytest.mark.parametrize("compression", ["zstd", None, "gz:3"])
+@pytest.mark.parametrize("compression", ["zstd", None, "bz2:5"])  # not gz: it stamps the time
 def test_part_writer_bytes_equal_mdswriter(tmp_path, compression):
     from streaming import MDSWriter
 
