@@ -180,7 +180,8 @@ def test_zero_steps_while_steps_remain_is_an_error(monkeypatch, tmp_path):
 def test_cli_resume_with_another_sequence_len_fails_before_training(ray_local, tmp_path, capsys):
     """The measured CLI case: 4 steps of the default job, then ``train.max_steps=8 data.sequence_len=128``
     (which resumed at step 4, trained 0 steps and exited 0). Now: exit 2 naming the change, nothing
-    trained; with run.on_data_change=restart it trains steps 5-8 and the ledger marks the restart."""
+    trained; with run.on_data_change=restart the empty stream is an error, and with a usable
+    sequence_len it trains steps 5-8 and the ledger marks the restart."""
     common = load_ray_job("_common")
     root = Path(__file__).resolve().parents[1]
     base = [f"run.storage_path={tmp_path / 'runs'}", "run.export_model=false", "train.checkpoint_every_steps=2",
@@ -198,10 +199,16 @@ def test_cli_resume_with_another_sequence_len_fails_before_training(ray_local, t
     assert "data.sequence_len: 256 -> 128" in err and "run.on_data_change=restart" in err
     assert [e.step for e in ledger.entries()] == [1, 2, 3, 4]  # nothing trained
 
-    assert main("train.max_steps=8", "data.sequence_len=128", "run.on_data_change=restart") == 0
+    # Opting in to a data restart at sequence_len 128: the demo's prompts are longer than 128 bytes
+    # (byte-level tokenizer), so no sample keeps a trained token and the stream is empty. That run
+    # used to print "finished: step 4" and exit 0; now it fails, and nothing more is in the ledger.
+    with pytest.raises(Exception, match="yielded no rows at step 4"):
+        main("train.max_steps=8", "data.sequence_len=128", "run.on_data_change=restart")
+    assert [e.step for e in ledger.entries()] == [1, 2, 3, 4]
+
+    assert main("train.max_steps=8", "data.sequence_len=512", "run.on_data_change=restart") == 0
     assert [e.step for e in ledger.entries()] == list(range(1, 9))
     assert [r["after_step"] for r in ledger.restarts()] == [4]
-    assert "DATA RESTART" in capsys.readouterr().out
-    # The restarted steps trained on the stream's beginning again, at the new sequence_len.
-    first_ids = set(ledger.entries()[0].sample_ids())
-    assert first_ids & set(ledger.entries()[4].sample_ids())
+    assert "data.sequence_len: 256 -> 512" in ledger.restarts()[0]["reason"]
+    # The restarted steps trained on the stream's beginning again.
+    assert set(ledger.entries()[0].sample_ids()) & set(ledger.entries()[4].sample_ids())
