@@ -3,8 +3,8 @@ reports "trained 0 steps" as a success.
 
 The unit tests need no Ray: the stream fingerprint against the config changes that were measured to
 lose and repeat samples (pack_buffer_size 64->32, sequence_len 512->256, another shuffle_seed), the
-strict DataState reader, and checkpoint completeness. The last test drives the job script
-(``ray_jobs/_common.main``, what ``python ray_jobs/sft.py`` runs) on the embedded default.
+strict DataState reader, checkpoint completeness, the world-size guard and the run directory's
+storage layer (on a moto S3 server on loopback).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
-from conftest import load_ray_job, write_jsonl
+from conftest import write_jsonl
 
 from pipelines.config import config_from_dict
 from pipelines.resume import (
@@ -31,6 +31,7 @@ from pipelines.train.checkpoint import (
     STATE_FILE,
     CheckpointError,
     TrainerState,
+    check_world_size,
     checkpoint_dir_name,
     data_state_problem,
     newest_complete,
@@ -176,39 +177,37 @@ def test_zero_steps_while_steps_remain_is_an_error(monkeypatch, tmp_path):
         worker.run()
 
 
-@pytest.mark.timeout(600)
-def test_cli_resume_with_another_sequence_len_fails_before_training(ray_local, tmp_path, capsys):
-    """The measured CLI case: 4 steps of the default job, then ``train.max_steps=8 data.sequence_len=128``
-    (which resumed at step 4, trained 0 steps and exited 0). Now: exit 2 naming the change, nothing
-    trained; with run.on_data_change=restart the empty stream is an error, and with a usable
-    sequence_len it trains steps 5-8 and the ledger marks the restart."""
-    common = load_ray_job("_common")
-    root = Path(__file__).resolve().parents[1]
-    base = [f"run.storage_path={tmp_path / 'runs'}", "run.export_model=false", "train.checkpoint_every_steps=2",
-            "train.log_every_steps=2", "data.eval_fraction=0"]
+def test_zero_checkpoint_with_another_world_size_is_refused_naming_the_fix(tmp_path):
+    d = _fake_checkpoint(tmp_path, 4)  # saved by 2 workers with ZeRO-2
+    check_world_size(2, str(d))
+    with pytest.raises(CheckpointError, match="scaling.num_workers=2"):
+        check_world_size(1, str(d))
+    manifest = json.loads((d / MANIFEST).read_text())
+    (d / MANIFEST).write_text(json.dumps({**manifest, "zero_stage": 0}))
+    check_world_size(1, str(d))  # ZeRO-0: any world size
 
-    def main(*extra: str) -> int:
-        return common.main([*base, *extra], root / "configs" / "default.yaml", "sft")
 
-    assert main("train.max_steps=4") == 0
-    ledger = Ledger(pafs.LocalFileSystem(), str(tmp_path / "runs" / "demo-sft" / "ledger"))
-    assert [e.step for e in ledger.entries()] == [1, 2, 3, 4]
-    capsys.readouterr()
-    assert main("train.max_steps=8", "data.sequence_len=128") == 2
-    err = capsys.readouterr().err
-    assert "data.sequence_len: 256 -> 128" in err and "run.on_data_change=restart" in err
-    assert [e.step for e in ledger.entries()] == [1, 2, 3, 4]  # nothing trained
+def test_run_dir_on_s3_uses_the_one_storage_layer(moto_s3, tmp_path):
+    """Ray Train gets a bare ``bucket/key`` path with the endpoint's filesystem (a URL together with a
+    filesystem raised ``ArrowInvalid: Expected an S3 object path``); outputs and the ledger land there."""
+    from pipelines.storage import StorageOptions
+    from pipelines.train.storage import OutputDir, ray_storage, run_dir
 
-    # Opting in to a data restart at sequence_len 128: the demo's prompts are longer than 128 bytes
-    # (byte-level tokenizer), so no sample keeps a trained token and the stream is empty. That run
-    # used to print "finished: step 4" and exit 0; now it fails, and nothing more is in the ledger.
-    with pytest.raises(Exception, match="yielded no rows at step 4"):
-        main("train.max_steps=8", "data.sequence_len=128", "run.on_data_change=restart")
-    assert [e.step for e in ledger.entries()] == [1, 2, 3, 4]
-
-    assert main("train.max_steps=8", "data.sequence_len=512", "run.on_data_change=restart") == 0
-    assert [e.step for e in ledger.entries()] == list(range(1, 9))
-    assert [r["after_step"] for r in ledger.restarts()] == [4]
-    assert "data.sequence_len: 256 -> 512" in ledger.restarts()[0]["reason"]
-    # The restarted steps trained on the stream's beginning again.
-    assert set(ledger.entries()[0].sample_ids()) & set(ledger.entries()[4].sample_ids())
+    moto_s3.make_bucket("runs")
+    cfg = _cfg(tmp_path).model_copy(deep=True)
+    cfg.run.storage_path, cfg.run.name = "s3://runs/exp/", "r"
+    cfg.storage.endpoint_url = moto_s3.endpoint
+    path, fs = ray_storage(cfg)
+    assert path == "runs/exp" and isinstance(fs, pafs.S3FileSystem)
+    fs.create_dir(f"{path}/probe")  # the endpoint (with its http scheme) is honoured
+    assert run_dir(cfg) == "s3://runs/exp/r"
+    out = OutputDir(run_dir(cfg), StorageOptions.from_config(cfg.storage))
+    (Path(out.local) / "metrics.jsonl").write_text('{"step": 1}\n')
+    out.sync()
+    Ledger(fs, "runs/exp/r/ledger").mark_restart(3, "test")
+    s3 = moto_s3.fs()
+    with s3.open_input_stream("runs/exp/r/metrics.jsonl") as f:
+        assert f.read() == b'{"step": 1}\n'
+    assert Ledger(s3, "runs/exp/r/ledger").restarts() == [{"after_step": 3, "reason": "test"}]
+    cfg.run.storage_path = str(tmp_path / "runs")
+    assert ray_storage(cfg) == (str(tmp_path / "runs"), None)

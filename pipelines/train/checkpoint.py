@@ -32,8 +32,8 @@ fingerprint. :func:`resume_data_state` (rank 0, before the feeder starts) and :f
 stream, naming what changed, unless ``run.on_data_change: restart``.
 
 A change of the data-parallel world size with ZeRO (stage >= 1: optimizer state is partitioned per
-rank) converts the checkpoint into DeepSpeed's world-size independent *universal* format on load
-(:func:`to_universal`, DeepSpeed's ``ds_to_universal``); if that fails, the error gives the command.
+rank) is refused before training, naming the ``scaling.num_workers`` to resume with
+(:func:`check_world_size`); ZeRO-0 checkpoints resume at any world size.
 """
 
 from __future__ import annotations
@@ -88,13 +88,6 @@ def save_local(te: TrainEngine, directory: str, state: TrainerState) -> None:
             json.dump(asdict(state), f, indent=2)
 
 
-def universal_command(directory: str, step: int) -> str:
-    """The command that converts a ZeRO checkpoint into DeepSpeed's world-size independent format."""
-    ds = f"{directory.rstrip('/')}/{DS_SUBDIR}"
-    return (f"python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state --input_folder {ds}/step_{step} "
-            f"--output_folder {ds}/step_{step}_universal")
-
-
 def saved_layout(directory: str) -> tuple[int | None, int]:
     """``(world size, ZeRO stage)`` a checkpoint was saved with (from its manifest)."""
     with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
@@ -102,61 +95,34 @@ def saved_layout(directory: str) -> tuple[int | None, int]:
     return manifest.get("world_size"), int(manifest.get("zero_stage") or 0)
 
 
-def to_universal(ds_dir: str, tag: str, out_root: str) -> str:
-    """Convert ``ds_dir/tag`` with DeepSpeed's ``ds_to_universal`` into ``out_root/<tag>_universal``;
-    returns the new tag. The universal format holds each parameter's full fp32 value and optimizer
-    moments, so any data-parallel world size can load it (``checkpoint.load_universal``)."""
-    import argparse
+def check_world_size(world_size: int, directory: str) -> None:
+    """Refuse a ZeRO (stage >= 1) checkpoint saved with another data-parallel world size, saying what to run.
 
-    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-
-    new_tag = f"{tag}_universal"
-    args = argparse.Namespace(input_folder=os.path.join(ds_dir, tag), output_folder=os.path.join(out_root, new_tag),
-                              num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
-                              inject_missing_state=True)
-    ds_to_universal(args)
-    return new_tag
+    DeepSpeed partitions the optimizer state per rank at stages 1-3 and cannot load it at another
+    world size; stage 0 checkpoints load at any world size (the data side never depends on it).
+    """
+    saved, stage = saved_layout(directory)
+    if not stage or saved == world_size:
+        return
+    raise CheckpointError(
+        f"checkpoint {directory} was saved by {saved} workers with ZeRO stage {stage}, and this run has "
+        f"{world_size}: DeepSpeed's per-rank optimizer partitions cannot be loaded at another world size. "
+        f"Run the same command with scaling.num_workers={saved} to resume (see README, 'Resume')."
+    )
 
 
 def load_local(te: TrainEngine, directory: str) -> TrainerState:
-    """Restore model, optimizer, LR scheduler (DeepSpeed) and trainer state from a merged checkpoint dir.
-
-    A ZeRO checkpoint (stage >= 1) saved by another number of workers is converted to DeepSpeed's
-    universal format first (each rank converts its own copy, in a temporary directory) and loaded
-    with ``load_universal_checkpoint``; stage 0 checkpoints load at any world size as they are.
-    """
+    """Restore model, optimizer, LR scheduler (DeepSpeed) and trainer state from a merged checkpoint dir."""
     with open(os.path.join(directory, STATE_FILE), encoding="utf-8") as f:
         state = TrainerState.from_dict(json.load(f))
-    ds_dir, tag = os.path.join(directory, DS_SUBDIR), f"step_{state.step}"
-    saved_world, stage = saved_layout(directory)
-    if not stage or saved_world == te.world_size:
-        _load(te, ds_dir, tag, directory, state.step)
-        return state
-    if te.rank == 0:
-        print(f"checkpoint {directory}: saved by {saved_world} workers with ZeRO-{stage}, resuming with "
-              f"{te.world_size}: converting it to a universal checkpoint", file=sys.__stdout__, flush=True)
-    with tempfile.TemporaryDirectory(prefix="pipelines-universal-") as tmp:
-        try:
-            new_tag = to_universal(ds_dir, tag, tmp)
-        except Exception as err:
-            raise CheckpointError(
-                f"checkpoint {directory} was saved by {saved_world} workers with ZeRO stage {stage} and this run has "
-                f"{te.world_size}; converting it to a universal checkpoint failed ({type(err).__name__}: {err}). "
-                f"Resume with scaling.num_workers={saved_world}, or convert it by hand: "
-                f"`{universal_command(directory, state.step)}`") from err
-        config = te.engine._config  # DeepSpeed reads this flag in load_checkpoint; no public setter
-        config.load_universal_checkpoint = True
-        try:
-            _load(te, tmp, new_tag, directory, state.step)
-        finally:
-            config.load_universal_checkpoint = False
-    return state
-
-
-def _load(te: TrainEngine, ds_dir: str, tag: str, directory: str, step: int) -> None:
-    path, _ = te.engine.load_checkpoint(ds_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    check_world_size(te.world_size, directory)
+    path, _ = te.engine.load_checkpoint(
+        os.path.join(directory, DS_SUBDIR), tag=f"step_{state.step}",
+        load_optimizer_states=True, load_lr_scheduler_states=True,
+    )
     if path is None:
-        raise RuntimeError(f"DeepSpeed found no checkpoint for step {step} under {directory}")
+        raise RuntimeError(f"DeepSpeed found no checkpoint for step {state.step} under {directory}")
+    return state
 
 
 class CheckpointError(RuntimeError):
