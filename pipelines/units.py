@@ -43,6 +43,7 @@ __all__ = [
     "ResumePoint",
     "UnitInfo",
     "FIRST_UNIT_BYTES",
+    "STREAM_LAYOUT",
     "READ_BLOCK_BYTES",
     "carry_unit_columns",
     "explode_units",
@@ -61,6 +62,11 @@ READ_BLOCK_BYTES = 256 << 10
 # The stream's first unit ends once its records reach this many characters (the block target: its
 # block is then larger than the target and leaves the read task at once). About 320 Alpaca records.
 FIRST_UNIT_BYTES = READ_BLOCK_BYTES
+
+# Bump when the same data and config would be cut into other units or shuffled differently; it is part
+# of the stream fingerprint, so a checkpoint of another layout is refused instead of resumed off by rows.
+# 2: the stream's first unit is small (FIRST_UNIT_BYTES); unit rows shuffled by pipelines.seeds.unit_shuffle_seed.
+STREAM_LAYOUT = 2
 
 # Constant within a unit; they let packing verify it saw a whole unit and let the trainer turn
 # "rows consumed" into a resume position.
