@@ -44,11 +44,12 @@ import pyarrow as pa
 import ray
 
 from pipelines.config import Config, config_from_dict, dump_config
-from pipelines.dataset import build_dataset, data_report, ordered_files
+from pipelines.dataset import build_dataset, data_report
 from pipelines.mixing import Chunk, Mixer, Picked, fresh_states
 from pipelines.resume import DataState, Ledger, LedgerEntry, SourceState
 from pipelines.sources import resolve_sources
 from pipelines.storage import StorageOptions, filesystem_for
+from pipelines.units import file_positions
 
 __all__ = ["DataFeeder", "Feeder", "FeederClient", "RankItem", "RowSlice", "fetch_rows", "list_rows", "start_feeder"]
 
@@ -187,8 +188,7 @@ class StreamPlan:
         point = state.point
         ds = build_dataset(self.cfg, self.split, epoch=point.epoch, start=point, datasets=self.groups[i])
         self.datasets.append(ds)
-        order = ordered_files(self.cfg, self.table, point.epoch, self.groups[i])
-        return _chunks_of(ds), {source: pos for pos, source in enumerate(order)}
+        return _chunks_of(ds), file_positions(self.table, self.cfg.data.shuffle_seed, point.epoch, self.groups[i])
 
 
 class Feeder:

@@ -41,8 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.dataset import ResumePoint
-from pipelines.resume import SourceState, point_after
+from pipelines.resume import SourceState
+from pipelines.seeds import stream_epoch
+from pipelines.units import ResumePoint, point_after
 
 __all__ = ["Chunk", "Mixer", "Picked", "fresh_states", "stream_epoch"]
 
@@ -51,14 +52,6 @@ UNIT_COLUMNS = ("unit_id", "unit_row", "unit_rows", "unit_start_byte", "unit_end
 # open(source index, state) -> (chunks, or single row dicts, of that source from state.point,
 #                               source index -> file position)
 Opener = Callable[[int, SourceState], tuple[Iterator[Any], dict[int, int]]]
-
-PASS_STRIDE = 1000  # a cycle pass p of epoch e reads in the order of stream epoch e * 1000 + p
-
-
-def stream_epoch(epoch: int, passes: int) -> int:
-    """The key that seeds a source's file order and row shuffle for one pass of an epoch."""
-    return epoch * PASS_STRIDE + passes
-
 
 @dataclass(frozen=True)
 class Chunk:
