@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import ray
 
-from pipelines.units import ResumePoint, point_after
 from pipelines.mixing import fresh_states, stream_epoch
 from pipelines.resume import DataState, LedgerEntry, SourceState
+from pipelines.units import ResumePoint, point_after
 
 ROW_COLUMNS = ("input_ids", "labels", "position_ids", "sample_ids")
 Row = dict[str, Any]
