@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from pipelines.config import Config
 from pipelines.feeder import FeederClient, RankItem, list_rows, start_feeder
-from pipelines.resume import DataState
+from pipelines.resume import DataState, DataStateError
 
 # Feeder epochs when train.max_steps decides the end: the stream is re-read as often as needed.
 UNBOUNDED_EPOCHS = 1 << 30
@@ -43,7 +43,10 @@ def share_feeder(cfg: Config, rank: int, world: int, rows_per_rank: int, data_st
 def resume_epoch(data_state: dict | None) -> int | None:
     """The epoch a restored run trains next: the saved one, or the one after it when it was done
     (a checkpoint on an epoch's last step). ``None`` without a data state."""
-    state = DataState.from_dict(data_state)
+    try:
+        state = DataState.from_dict(data_state)
+    except DataStateError:  # refused (or restarted) on rank 0 by checkpoint.resume_data_state, before training
+        return None
     return None if state is None else state.epoch + int(state.epoch_done)
 
 
