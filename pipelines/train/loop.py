@@ -26,7 +26,7 @@ from typing import Any
 
 from pipelines.config import Config, config_from_dict
 from pipelines.train.checkpoint import TrainerState, checkpoint_dir_name, report_checkpoint, restore
-from pipelines.train.export import export_hf_model
+from pipelines.train.export import export_run
 from pipelines.train.faults import maybe_fail
 from pipelines.train.feed import StepFeed, share_feeder
 from pipelines.train.metrics import MetricsWriter, Window, format_line
@@ -99,6 +99,11 @@ class WorkerLoop:
 
     def run(self) -> None:
         t0 = time.time()
+        params = self.te.params
+        self._print(f"model: {params.line()} | adapter {self.te.adapter.type}")
+        self.metrics.write({"kind": "params", "step": self.state.step, "trainable_params": params.trainable,
+                            "total_params": params.total, "trainable_fraction": params.fraction,
+                            "adapter": self.te.adapter.type})
         if self.state.step:  # restored from a checkpoint: mark it in metrics.jsonl
             self.metrics.write({"kind": "resume", "step": self.state.step, "epoch": self.state.epoch})
         if self._done():
@@ -220,9 +225,7 @@ class WorkerLoop:
         ray.train.report(self._report_metrics())
 
     def _export(self) -> str:
-        out = OutputDir(f"{self.run_dir}/model", self.fs) if self.te.rank == 0 else None
-        export_hf_model(self.te, out)
-        return f"{self.run_dir}/model"
+        return export_run(self.te, self.cfg, self.run_dir, self.fs)
 
     def _summary(self, wall_s: float, model_path: str | None) -> None:
         rec = {

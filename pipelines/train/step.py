@@ -32,7 +32,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipelines.config import Config
+from pipelines.config import AdapterConfig, Config
+from pipelines.train.adapter import ParamCount, apply_adapter, count_params
 from pipelines.train.collate import CollateMode, PackedCollate, collate_rows, dummy_batch
 from pipelines.train.deepspeed_config import resolve_deepspeed_config, zero_stage
 from pipelines.train.loss import backward_scale, summed_loss, supervised_tokens
@@ -135,6 +136,8 @@ class TrainEngine:
     rank: int
     grad_accum: int
     attn_implementation: str
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)  # model.adapter (type none: full fine-tuning)
+    params: ParamCount = ParamCount(0, 0)  # trainable / total, counted before DeepSpeed wraps the model
     keepalive: list[Any] = field(default_factory=list)  # e.g. HfDeepSpeedConfig (must outlive loading)
 
     @property
@@ -164,6 +167,9 @@ def build_engine(cfg: Config) -> TrainEngine:
     # optimizer); a random init is drawn in fp32 so it is the same whether or not bf16 is on.
     dtype = torch.bfloat16 if (train.bf16 and cfg.model.init is None) else torch.float32
     model = build_model(cfg.model, tokenizer, attn, dtype, train.gradient_checkpointing)
+    if cfg.model.adapter.enabled:  # frozen base + LoRA matrices; only those reach the optimizer
+        model = apply_adapter(model, cfg.model.adapter, train.gradient_checkpointing)
+    params = count_params(model)
     optimizer = torch.optim.AdamW(
         _param_groups(model, train.weight_decay),
         lr=train.learning_rate,
@@ -189,6 +195,8 @@ def build_engine(cfg: Config) -> TrainEngine:
         rank=dist.get_rank(),
         grad_accum=train.gradient_accumulation_steps,
         attn_implementation=attn,
+        adapter=cfg.model.adapter,
+        params=params,
         keepalive=keepalive,
     )
 
