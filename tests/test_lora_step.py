@@ -73,7 +73,7 @@ def _worker(rank: int, world: int, port: int, cfg_raw: dict, run_dir: str) -> No
     cfg = config_from_dict(cfg_raw)
     init_distributed(use_gpu=False)
     te = build_engine(cfg)
-    before = consolidated_state_dict(te)
+    before = {k: v.clone() for k, v in (consolidated_state_dict(te) or {}).items()}  # ZeRO-2: views of live params
     rows = synthetic_rows(STEPS * 2, 64, 260, seed=rank)
     source = BatchSource(micro_batches(rows, te, cfg.train.micro_batch_size))
     losses = [train_step(te, source).loss for _ in range(STEPS)]

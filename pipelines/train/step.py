@@ -105,14 +105,17 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _zero3_loading_context(ds_config: dict[str, Any]) -> list[Any]:
-    """Under ZeRO-3, let transformers build/load the model straight into partitions when it can.
+def _zero3_loading_context(ds_config: dict[str, Any], pretrained: bool) -> list[Any]:
+    """Under ZeRO-3, let transformers load a pretrained model straight into partitions when it can.
 
-    That needs ``accelerate`` (transformers' ``HfDeepSpeedConfig`` checks for it). Without it each rank
-    builds the full model in CPU memory and ``deepspeed.initialize`` partitions it: same result, more
-    host memory at start-up (fine for small models; install accelerate for 7B+ models).
+    That needs ``accelerate`` (transformers' ``HfDeepSpeedConfig`` checks for it; peft pulls it in).
+    Without it each rank builds the full model in CPU memory and ``deepspeed.initialize`` partitions
+    it: same result, more host memory at start-up (fine for small models; install accelerate for 7B+).
+    A random ``model.init`` is always built whole: transformers 4.57's ``_init_weights`` indexes the
+    embedding's padding row, which a partitioned (empty) embedding does not have (IndexError), and a
+    whole build draws the same weights as :func:`build_model` alone (what an adapter export needs).
     """
-    if zero_stage(ds_config) != 3:
+    if zero_stage(ds_config) != 3 or not pretrained:
         return []
     if importlib.util.find_spec("accelerate") is None:
         logger.info("ZeRO-3 without accelerate: the full model is built on each rank, then partitioned")
@@ -159,7 +162,7 @@ def build_engine(cfg: Config) -> TrainEngine:
     train = cfg.train
     world_size = dist.get_world_size()
     ds_config = resolve_deepspeed_config(train, world_size, cfg.scaling.use_gpu, cfg.base_dir)
-    keepalive = _zero3_loading_context(ds_config)
+    keepalive = _zero3_loading_context(ds_config, pretrained=cfg.model.init is None)
     attn = resolve_attn_implementation(cfg.model.attn_implementation, cfg.scaling.use_gpu)
     tokenizer = load_tokenizer(cfg.model)
     torch.manual_seed(train.seed)
