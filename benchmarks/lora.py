@@ -61,8 +61,9 @@ def stream_rows(cfg, n: int) -> list[dict]:
     import ray
 
     from pipelines.dataset import build_dataset
+    from pipelines.ray_local import init_local
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         rows = build_dataset(cfg, split="train").take(n)
     finally:

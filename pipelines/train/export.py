@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from pipelines.config import Config
+from pipelines.storage import StorageOptions
 from pipelines.train.step import TrainEngine
 from pipelines.train.storage import OutputDir
 
@@ -150,10 +151,10 @@ def export_merged(te: TrainEngine, cfg: Config, out: OutputDir | None) -> None:
     _barrier()
 
 
-def export_run(te: TrainEngine, cfg: Config, run_dir: str, fs) -> str:
+def export_run(te: TrainEngine, cfg: Config, run_dir: str, storage: StorageOptions | None = None) -> str:
     """Everything a run exports (see the module docstring); returns the main path (model or adapter)."""
     def out(name: str) -> OutputDir | None:
-        return OutputDir(f"{run_dir}/{name}", fs) if te.rank == 0 else None
+        return OutputDir(f"{run_dir}/{name}", storage) if te.rank == 0 else None
 
     if not te.adapter.enabled:
         export_hf_model(te, out("model"))
