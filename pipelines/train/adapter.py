@@ -179,7 +179,8 @@ def skeleton(model_cfg: ModelConfig) -> torch.nn.Module | None:
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pipelines.train.model import init_config, load_tokenizer
+    from pipelines.tokenizer import load_tokenizer
+    from pipelines.train.model import init_config
 
     try:
         if model_cfg.init is not None:
