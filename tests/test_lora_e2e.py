@@ -87,15 +87,15 @@ def test_lora_zero3_learns_exports_and_resumes_after_sigkill(ray_local, tmp_path
     assert params["trainable_fraction"] == pytest.approx(params["trainable_params"] / params["total_params"])
 
     # A checkpoint holds adapter weights + Adam moments, not the frozen base: its module states have
-    # LoRA tensors only, and all its files weigh less than one fp32 copy of the model (a full-weights
-    # checkpoint holds at least three: master weights and two Adam moments).
+    # LoRA tensors only, and all its files weigh less than three fp32 copies of the model (what a
+    # full-weights checkpoint holds at least: master weights and two Adam moments).
     ds_dir = clean / f"checkpoint_{STEPS:08d}" / "deepspeed"
     module_files = list(ds_dir.rglob("*model_states.pt"))
     assert module_files
     for f in module_files:
         keys = list(torch.load(f, map_location="cpu", weights_only=False)["module"])
         assert keys and all("lora_" in k for k in keys), (f.name, [k for k in keys if "lora_" not in k][:3])
-    assert _dir_bytes(ds_dir) < 4 * n_base, (_dir_bytes(ds_dir), n_base)
+    assert _dir_bytes(ds_dir) < 3 * 4 * n_base, (_dir_bytes(ds_dir), n_base)
 
     # Exports: the PEFT adapter on a rebuilt base == the merged model, and differs from the base alone.
     ids = torch.tensor([list(range(10, 60))])
