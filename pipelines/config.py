@@ -249,6 +249,9 @@ class RunConfig(_Strict):
     keep_checkpoints: int = Field(2, gt=0, description="Checkpoints kept in the run directory (CheckpointConfig.num_to_keep).")
     max_failures: int = Field(0, ge=-1, description="Ray Train FailureConfig.max_failures (-1: forever).")
     export_model: bool = Field(True, description="Write a Hugging Face model + tokenizer at the end.")
+    progress_bars: bool = Field(
+        False, description="Ray Data progress bars of the training stream (in the feeder) and eval split; off: one log line per log step instead."
+    )
 
 
 class StorageConfig(_Strict):

@@ -90,6 +90,7 @@ class DataFeeder:
     def __init__(self, cfg_dict: dict, base_dir: str, world_size: int, rows_per_rank: int, epochs: int,
                  state: dict | None = None, ledger_root: str | None = None, prefetch_items: int = 4) -> None:
         self.cfg = config_from_dict(cfg_dict, base_dir=base_dir)
+        ray.data.DataContext.get_current().enable_progress_bars = self.cfg.run.progress_bars  # this process's streams
         self.world, self.k, self.epochs = world_size, rows_per_rank, epochs
         self.plan = StreamPlan(self.cfg, "train")
         restored = DataState.from_dict(state)
