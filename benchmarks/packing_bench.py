@@ -89,6 +89,12 @@ def _fit(s: Any, seq: int) -> tuple[Any, Any]:
     return fit_to_length(s, PackOptions("bfd", seq), counts), counts
 
 
+def split_samples(rows_sample_ids: list[np.ndarray]) -> int:
+    """Samples found in more than one row, counted from the rows themselves, e.g. rows ``[1, 2], [2, 3]`` -> 1."""
+    seen = np.concatenate(rows_sample_ids) if rows_sample_ids else np.zeros(0, np.int64)
+    return int((np.unique(seen, return_counts=True)[1] > 1).sum())
+
+
 def measure(s: Any, seq: int) -> list[dict[str, Any]]:
     """One row per strategy for one tokenized data set at one sequence length."""
     n = len(s.ids)
@@ -99,15 +105,13 @@ def measure(s: Any, seq: int) -> list[dict[str, Any]]:
             kind = "concat" if strategy == CONCAT else "bfd"
             rows_ids, rows_sids, counts = _pack_units(s, kind, seq, UNIT_RECORDS[strategy])
             row_lens = np.asarray([len(r) for r in rows_ids])
-            seen = np.concatenate(rows_sids) if rows_sids else np.zeros(0, np.int64)
-            split = int((np.unique(seen, return_counts=True)[1] > 1).sum()) if kind == "concat" else 0
-            c = counts.counters
+            split, c = split_samples(rows_sids), counts.counters
         else:
             fitted, counts = _fit(s, seq)
             lens = np.asarray([len(x) for x in fitted.ids])
             bins = bl.first_fit(lens, seq) if strategy == GREEDY else bl.ffd(lens, seq)
             row_lens = np.asarray([int(lens[b].sum()) for b in bins])
-            split, c = 0, counts.counters
+            split, c = split_samples([fitted.sample_ids[np.asarray(b, dtype=np.int64)] for b in bins]), counts.counters
         rows = len(row_lens)
         dropped = c.get("dropped_oversize", 0) + c.get("dropped_no_trained_after_truncation", 0)
         out.append({

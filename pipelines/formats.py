@@ -49,6 +49,7 @@ class Formatted:
     spans: list[tuple[int, int]] = field(default_factory=list)
     add_eos: bool = False
     add_special_tokens: bool = True
+    counters: tuple[str, ...] = ()  # telemetry keys this sample adds to, e.g. ("tools_in_system_turn",)
 
 
 def _field(rec: dict[str, Any], key: str, *, required: bool = True, allow_empty: bool = False) -> str:
@@ -166,11 +167,25 @@ class InputOutputFormat:
 class ChatTemplateFormat:
     """Conversations rendered with the tokenizer's own chat template; trained roles located by span.
 
-    Each turn's span is found by rendering growing prefixes of the conversation: turn ``i`` covers
-    ``render(msgs[:i+1])[len(render(msgs[:i])):]``, and the trained part starts where the turn's
-    content starts (so the role header is not trained) and runs to the turn's end marker, e.g. for
-    ChatML ``<|im_start|>assistant\\nHi!<|im_end|>\\n`` the trained text is ``Hi!<|im_end|>``.
-    This works for templates with no generation markers (``{% generation %}``) too.
+    Each turn is located in the template's own rendering of growing prefixes of the conversation:
+    turn ``i`` is ``render(msgs[:i+1])[len(render(msgs[:i])):]``. Where its content sits inside that
+    text is found by rendering the same prefix with the content replaced by a marker
+    (:data:`CONTENT_MARKER`): the text before the marker is the role header, the text after it the end
+    of the turn. The trained part runs from the content to the turn's end marker, e.g. for ChatML
+    ``<|im_start|>assistant\\nHi!<|im_end|>\\n`` the trained text is ``Hi!<|im_end|>``; for a
+    Llama-3 template that trims the content, ``"Paris.\\n"`` trains ``Paris.<|eot_id|>``. No search
+    for the content text is involved, so an answer such as ``"a"`` (which also occurs in
+    ``assistant``) cannot match inside the header. A turn whose span cannot be located exactly
+    (the template renders the header differently around other content, or changes the content
+    beyond trimming whitespace) is a :class:`RecordError`: raised, or skipped and counted under
+    ``data.on_bad_record: skip``; never guessed. This works for templates with ``{% generation %}``
+    markers and without.
+
+    Tool definitions (a ``tools`` column: a list, or a JSON string of one as in ShareGPT/Glaive) go to
+    the template as ``tools=`` when the template renders them; a template that ignores them gets them
+    as a system turn instead (:data:`TOOLS_SYSTEM_PROMPT`, appended to the conversation's first
+    system turn or added as one), so the schemas the calls refer to are always in the training text.
+    Each sample is counted under ``tools_rendered_by_template`` or ``tools_in_system_turn``.
     """
 
     def __init__(self, ds: DatasetConfig, data: DataConfig, tokenizer: Any) -> None:
@@ -207,42 +222,95 @@ class ChatTemplateFormat:
             raise RecordError(f"conversation has no {'/'.join(sorted(self.train_roles))} turn")
         return msgs
 
-    def _render(self, msgs: list[dict[str, str]], tools: Any) -> str:
+    def _render(self, msgs: list[dict[str, str]], tools: list | None) -> str:
         if not msgs:
             return ""
         return self.tok.apply_chat_template(msgs, tools=tools, tokenize=False)
 
+    def _with_tools(self, msgs: list[dict[str, str]], tools: list | None) -> tuple[list, list | None, str | None]:
+        """``(messages, tools for the template, counter)``: tools by the template, or in a system turn."""
+        if tools is None:
+            return msgs, None, None
+        if self._render(msgs, tools) != self._render(msgs, None):
+            return msgs, tools, "tools_rendered_by_template"
+        block = tools_system_text(tools)
+        if msgs[0]["role"] == "system":
+            msgs = [{"role": "system", "content": f"{msgs[0]['content']}\n\n{block}"}, *msgs[1:]]
+        else:
+            msgs = [{"role": "system", "content": block}, *msgs]
+        return msgs, None, "tools_in_system_turn"
+
+    def _content_span(self, msgs: list[dict[str, str]], i: int, cur: str, tools: list | None) -> tuple[int, int]:
+        """``[start, end)`` of turn ``i``'s trained text in ``cur`` (= the rendering of ``msgs[:i+1]``)."""
+        probe = self._render([*msgs[:i], {**msgs[i], "content": CONTENT_MARKER}], tools)
+        head, found, tail = probe.partition(CONTENT_MARKER)
+        where = f"{msgs[i]['role']} turn {i}"
+        if not found or CONTENT_MARKER in tail:
+            raise RecordError(f"{where}: the chat template does not render a turn's content as given, so its "
+                              "labels cannot be located; use input_output segments for this template")
+        start, end = len(head), len(cur) - len(tail)
+        if not (cur.startswith(head) and cur.endswith(tail) and start <= end
+                and cur[start:end].strip() == msgs[i]["content"].strip()):
+            raise RecordError(f"{where}: cannot locate the content in the chat template's rendering "
+                              "(the template renders this turn's header or content differently); not trained "
+                              "rather than guessed")
+        return start, len(cur.rstrip())
+
     def __call__(self, rec: dict[str, Any]) -> Formatted:
-        msgs = self._messages(rec)
-        tools = _tools(rec.get("tools"))
+        msgs, tools, counter = self._with_tools(self._messages(rec), _tools(rec.get("tools")))
+        counters = (counter,) if counter else ()
         rendered = [self._render(msgs[: i + 1], tools) for i in range(len(msgs))]
         full = rendered[-1]
         if self.all_trained:
-            return Formatted(full, [(0, len(full))], add_special_tokens=False)
+            return Formatted(full, [(0, len(full))], add_special_tokens=False, counters=counters)
         spans, prev = [], ""
-        for msg, cur in zip(msgs, rendered, strict=True):
+        for i, (msg, cur) in enumerate(zip(msgs, rendered, strict=True)):
             if not cur.startswith(prev) or not full.startswith(cur):
                 raise RecordError("the chat template does not render conversations prefix-by-prefix; "
                                   "use input_output segments for this template")
+            # An empty or whitespace-only turn trains nothing (not even its end marker); a sample left
+            # with no trained tokens is counted as such.
             if msg["role"] in self.train_roles and msg["content"].strip():
-                # An empty turn trains nothing (not even its end marker): such samples are reported.
-                found = cur.find(msg["content"], len(prev))
-                start = found if found >= 0 else len(prev)
-                end = len(cur.rstrip())
+                start, end = self._content_span(msgs, i, cur, tools)
                 if end > start:
                     spans.append((start, end))
             prev = cur
-        return Formatted(full, spans, add_special_tokens=False)
+        return Formatted(full, spans, add_special_tokens=False, counters=counters)
+
+
+# Stands in for a turn's content to find where the template puts it: letters and digits only, so
+# templates that trim or strip the content leave it as it is.
+CONTENT_MARKER = "Zq7PipelinesContentMarker4Xv"
+
+# Tool definitions for templates that ignore ``tools=``: the text Qwen2.5 / Hermes templates put in
+# their system turn, one JSON schema per line.
+TOOLS_SYSTEM_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>"
+)
+
+
+def tools_system_text(tools: list) -> str:
+    """The system-turn text for tool definitions, e.g. ``[{"name": "f"}]`` -> ``... <tools>\\n{"name": "f"}\\n</tools>``."""
+    return TOOLS_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
 
 
 def _tools(value: Any) -> list | None:
-    """A ``tools`` column as a list (ShareGPT/Glaive stores it as a JSON string); bad ones are ignored."""
-    if isinstance(value, str) and value.strip():
+    """A ``tools`` column as a list (ShareGPT/Glaive stores it as a JSON string); empty -> None.
+
+    Example: ``'[{"name": "f"}]'`` -> ``[{"name": "f"}]``; ``""``, ``"[]"``, ``None`` -> ``None``.
+    Anything else is a :class:`RecordError`: tools are never dropped silently.
+    """
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, str):
         try:
             value = json.loads(value)
-        except json.JSONDecodeError:
-            return None
-    return value if isinstance(value, list) and value else None
+        except json.JSONDecodeError as err:
+            raise RecordError(f"field 'tools' is not valid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise RecordError(f"field 'tools' should be a list of tool definitions (objects), got {type(value).__name__}")
+    return value or None
 
 
 FORMATS = {

@@ -182,6 +182,9 @@ class Tokenizer:
         sids = batch.column("sample_id").to_pylist()
         formatted = [self._format(sid, rec, counts) for sid, rec in zip(sids, batch.column("record").to_pylist(), strict=True)]
         live = [i for i, f in enumerate(formatted) if isinstance(f, Formatted)]
+        for i in live:  # what the formatter did to a sample (e.g. tools moved into a system turn)
+            for key in formatted[i].counters:
+                counts.add(key, 1, self.table.where(sids[i]))
         empty = np.zeros(0, dtype=np.int32)
         all_ids, all_labels = [empty] * len(sids), [empty] * len(sids)
         n_kept = n_tokens = 0

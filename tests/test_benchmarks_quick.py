@@ -135,3 +135,40 @@ def test_b6_b7_target_rows_come_from_the_result_line():
     assert run._ratio_rows({"status": "ok", "results": [{"ratio_90_10": 1.5}]}, "B7", spec7)[0][3] == "MISSED"
     # A RESULT line without the field is pointed at, not invented.
     assert run._ratio_rows({"status": "ok", "results": [{}]}, "B7", spec7)[0][2] == "see section"
+
+
+def test_b4_split_share_is_measured_from_the_rows(monkeypatch):
+    """B4's split column counts samples found in several rows: concat splits here, bfd and first-fit do not,
+    and a packer that did split would be reported (the column is not a constant)."""
+    import importlib.util
+
+    import numpy as np
+
+    from pipelines.packing import Samples
+
+    spec = importlib.util.spec_from_file_location("packing_bench", ROOT / "benchmarks" / "packing_bench.py")
+    pb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pb)
+    assert pb.split_samples([np.array([1, 2]), np.array([2, 3]), np.array([4])]) == 1
+    lengths = [30, 30, 30, 50, 10, 25]  # 175 tokens: concat at 64 cuts samples at row borders
+    s = Samples(np.arange(len(lengths), dtype=np.int64), [np.arange(n, dtype=np.int32) + 4 for n in lengths],
+                [np.arange(n, dtype=np.int32) + 4 for n in lengths])
+    rows = {r["strategy"]: r for r in pb.measure(s, 64)}
+    assert rows[pb.CONCAT]["split_share"] > 0
+    for name in (pb.BFD_DEFAULT, pb.BFD_SMALL, pb.GREEDY, pb.FFD):
+        assert rows[name]["split_share"] == 0 and rows[name]["truncated_share"] == 0, rows[name]
+        assert sum(rows[name]["row_lengths"]) == sum(lengths)  # every token placed, none cut
+
+    import pipelines.packing as packing
+
+    real = packing.pack_samples
+
+    def splitting(samples, opts, counts, *args):  # a bfd that puts half of one sample in a row of its own
+        out = real(samples, opts, counts)
+        if opts.strategy == "bfd" and out.sample_ids:
+            out.ids.append(out.ids[0][:1])
+            out.sample_ids.append(out.sample_ids[0][:1])
+        return out
+
+    monkeypatch.setattr(packing, "pack_samples", splitting)
+    assert {r["strategy"]: r for r in pb.measure(s, 64)}[pb.BFD_DEFAULT]["split_share"] > 0

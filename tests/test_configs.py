@@ -270,6 +270,8 @@ def test_yaml_is_loaded_safely(tmp_path: Path) -> None:
 def test_overrides_apply_to_nested_and_list_keys(tmp_path: Path) -> None:
     """`data.sequence_len=512` and `data.datasets.0.path=x` change those keys, parsed as YAML scalars."""
     path = write_config(tmp_path, BASE)
+    text = path.read_text()
+    plain = load_config(path)
     cfg = load_config(
         path,
         overrides=[
@@ -283,7 +285,12 @@ def test_overrides_apply_to_nested_and_list_keys(tmp_path: Path) -> None:
     assert cfg.data.datasets[0].path == "x"
     assert cfg.train.max_steps == 10
     assert cfg.data.tokenize.resources == {"cpu_node": 1.0}
-    assert BASE["data"]["sequence_len"] == 1024  # the file's data is not mutated in place
+    # Keys not overridden keep the file's values; the overrides touch neither the file nor a later load.
+    assert cfg.data.datasets[0].type == "alpaca" and cfg.model.tokenizer == plain.model.tokenizer
+    again = load_config(path)
+    assert path.read_text() == text
+    assert again.data.sequence_len == 1024 and again.data.datasets[0].path == plain.data.datasets[0].path != "x"
+    assert again.train.max_steps == plain.train.max_steps != 10 and again.data.tokenize.resources == {}
 
 
 def test_shipped_config_accepts_overrides() -> None:

@@ -293,18 +293,18 @@ def _edit_index(root: Path, fn) -> None:
 
 
 def _break(root: Path, case: str) -> str:
-    """Damage the set as ``case`` says; returns the shard the error must name ('' for the index)."""
+    """Damage the set as ``case`` says; returns what the error must name: the damaged shard, or the index."""
     name = _shard(root)
     path = root / name
     if case == "missing_index":
         (root / "index.json").unlink()
-        return ""
+        return f"no index.json in {root} "
     if case == "index_not_mds":
         (root / "index.json").write_text(json.dumps({"version": 2, "files": ["shard.00000.mds"]}))
-        return ""
+        return f"{root}/index.json"
     if case == "index_not_json":
         (root / "index.json").write_text("<html>not json</html>")
-        return ""
+        return f"{root}/index.json"
     if case == "shard_missing":
         path.unlink()
     elif case == "hash_mismatch":
@@ -337,13 +337,14 @@ BAD = {
 
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_broken_set_fails_naming_dataset_and_shard(small_set, case):
-    shard = _break(small_set, case)
+    where = _break(small_set, case)
+    assert where and (where.startswith("no index.json") or where.endswith(("index.json", ".mds", ".zstd"))), where
     cfg = make_config([{"path": str(small_set), "format": "mds", "type": "alpaca"}], on_bad_record="skip")
     with pytest.raises(MDSError) as err:
         list(iter_packed_local(cfg))
     msg = str(err.value)
     assert BAD[case] in msg and f"MDS dataset {small_set}" in msg
-    assert shard in msg, f"the error should name shard {shard!r}: {msg}"
+    assert where in msg, f"the error should name {where!r}: {msg}"
 
 
 def test_intact_set_reads_after_a_failed_copy(small_set, tmp_path):

@@ -1,0 +1,210 @@
+"""chat_template labels with several real templates: exactly the assistant content and its end marker.
+
+Templates: ChatML (the SmolLM2 tokenizer of ../shared/data), Meta's Llama-3 template (``| trim``,
+header ids, BOS) on the same vocabulary plus Llama-3's special tokens, and a ChatML template with
+``{% generation %}`` markers, whose trained characters Hugging Face's own ``return_assistant_tokens_mask``
+machinery computes independently. Edge cases: one-character answers, whitespace-only answers, answers
+equal to a piece of the role header, trailing whitespace the template trims, a template that changes
+the content (not locatable: refused or skipped and counted), and tool definitions.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import GLAIVE, SMOLLM2, make_config, needs_shared, write_jsonl
+
+from pipelines.datasource import ReadOptions, read_files
+from pipelines.formats import RecordError, make_formatter, tools_system_text
+from pipelines.sources import resolve_sources
+from pipelines.stats import StatsSink
+from pipelines.tokenize import IGNORE_INDEX, Tokenizer
+
+pytestmark = needs_shared
+
+# meta-llama/Meta-Llama-3-8B-Instruct's chat template, as published.
+LLAMA3 = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' "
+    "+ message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+# ChatML with generation markers around what an assistant turn trains (as TRL's templates do).
+CHATML_GENERATION = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\n' }}{% else %}{{ message['content'] + '<|im_end|>' + '\n' }}{% endif %}{% endfor %}"
+)
+# A Qwen2.5-style template that renders tool definitions itself.
+CHATML_TOOLS = (
+    "{% if tools %}{{ '<|im_start|>system\nTools:\n' }}{% for t in tools %}{{ t['name'] + ': ' + t['description'] + '\n' }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+)
+# Changes the content beyond whitespace: a span that cannot be located exactly.
+CHATML_REWRITES = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] | replace('colour', 'color')"
+    " + '<|im_end|>\n' }}{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    """Tokenizer directories: the real SmolLM2 one, and copies with other templates (Llama-3 adds its tokens)."""
+    from transformers import AutoTokenizer
+
+    out = {"chatml": SMOLLM2}
+    for name, template, extra in [
+        ("llama3", LLAMA3, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]),
+        ("generation", CHATML_GENERATION, []),
+        ("tools", CHATML_TOOLS, []),
+        ("rewrites", CHATML_REWRITES, []),
+    ]:
+        tok = AutoTokenizer.from_pretrained(SMOLLM2)
+        if extra:
+            tok.add_special_tokens({"additional_special_tokens": extra, "bos_token": extra[0]})
+        tok.chat_template = template
+        path = tmp_path_factory.mktemp(name)
+        tok.save_pretrained(path)
+        out[name] = path
+    return out
+
+
+def _conv(*answers: str, system: str | None = None) -> dict:
+    msgs = [{"role": "system", "content": system}] if system else []
+    for i, a in enumerate(answers):
+        msgs += [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": a}]
+    return {"messages": msgs}
+
+
+def _tokenize(tmp_path, tokenizer, records, **data):
+    """Read + format + tokenize in-process; returns (Tokenizer, output table, counters)."""
+    cfg = make_config([{"path": str(write_jsonl(tmp_path / "c.jsonl", records)), "type": "chat_template"}],
+                      tokenizer=tokenizer, **data)
+    table, sink = resolve_sources(cfg), StatsSink()
+    opts = ReadOptions(table.storage, cfg.data.on_bad_record, tuple(d.text_field for d in table.datasets))
+    tok = Tokenizer(cfg.data, cfg.model, table, sink)
+    out = [tok(b) for b in read_files(list(table.files), opts, sink)]
+    return tok, out[0], dict(sink.local.counters)
+
+
+def _trained_pieces(tok, ids: list[int], labels: list[int]) -> list[str]:
+    """The decoded runs of consecutive trained tokens of one sample."""
+    runs, cur = [], []
+    for t, lab in zip(ids, labels, strict=True):
+        if lab != IGNORE_INDEX:
+            cur.append(t)
+        elif cur:
+            runs, cur = [*runs, cur], []
+    if cur:
+        runs.append(cur)
+    return [tok.hf.decode(r) for r in runs]
+
+
+CASES = [  # (answers, expected trained text per template family: chatml / llama3)
+    (["a"], ["a<|im_end|>"], ["a<|eot_id|>"]),
+    (["assistant"], ["assistant<|im_end|>"], ["assistant<|eot_id|>"]),  # the whole role name
+    (["ssis", "im_start"], ["ssis<|im_end|>", "im_start<|im_end|>"], ["ssis<|eot_id|>", "im_start<|eot_id|>"]),
+    (["Paris.\n"], ["Paris.\n<|im_end|>"], ["Paris.<|eot_id|>"]),  # trailing whitespace: Llama-3 trims it
+    (["4", "."], ["4<|im_end|>", ".<|im_end|>"], ["4<|eot_id|>", ".<|eot_id|>"]),
+    (["end_header_id"], ["end_header_id<|im_end|>"], ["end_header_id<|eot_id|>"]),
+]
+
+
+@pytest.mark.parametrize("family", ["chatml", "llama3", "generation"])
+def test_trained_text_is_the_answer_and_its_end_marker(tmp_path, tokenizers, family):
+    records = [_conv(*answers) for answers, _, _ in CASES]
+    tok, out, _ = _tokenize(tmp_path, tokenizers[family], records)
+    ids, labels = out["input_ids"].to_pylist(), out["labels"].to_pylist()
+    for k, (answers, chatml, llama3) in enumerate(CASES):
+        expected = llama3 if family == "llama3" else chatml
+        assert _trained_pieces(tok, ids[k], labels[k]) == expected, (family, answers)
+        # Every role header stays masked: the untrained text holds each header whole.
+        prompt = tok.hf.decode([t for t, lab in zip(ids[k], labels[k], strict=True) if lab == IGNORE_INDEX])
+        header = "<|start_header_id|>assistant<|end_header_id|>" if family == "llama3" else "<|im_start|>assistant"
+        assert prompt.count(header) == len(answers)
+
+
+def test_spans_equal_the_generation_markers(tokenizers):
+    """Our character spans == the ``{% generation %}`` blocks as transformers renders them."""
+    from transformers import AutoTokenizer
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    hf = AutoTokenizer.from_pretrained(tokenizers["generation"])
+    cfg = make_config([{"path": "unused.jsonl", "type": "chat_template"}], tokenizer=tokenizers["generation"])
+    fmt = make_formatter(cfg.data.datasets[0], cfg.data, hf)
+    for answers, _, _ in CASES:
+        msgs = _conv(*answers, system="Be brief.")["messages"]
+        rendered, generation = render_jinja_template(conversations=[msgs], chat_template=CHATML_GENERATION,
+                                                     return_assistant_tokens_mask=True, **hf.special_tokens_map)
+        got = fmt({"messages": msgs})
+        assert got.text == rendered[0]
+        assert got.spans == [tuple(g) for g in generation[0]], answers
+
+
+@pytest.mark.parametrize("family", ["chatml", "llama3"])
+def test_whitespace_only_answers_train_nothing_and_are_counted(tmp_path, tokenizers, family):
+    records = [_conv("   "), _conv(" \n", "Fine.")]
+    tok, out, counters = _tokenize(tmp_path, tokenizers[family], records, on_bad_record="skip")
+    ids, labels = out["input_ids"].to_pylist(), out["labels"].to_pylist()
+    assert ids[0] == [] and labels[0] == []  # nothing to learn: skipped, and counted
+    assert counters.get("skipped_no_trained_tokens") == 1
+    end = "<|eot_id|>" if family == "llama3" else "<|im_end|>"
+    assert _trained_pieces(tok, ids[1], labels[1]) == [f"Fine.{end}"]  # the empty turn trains no end marker
+
+
+def test_content_the_template_rewrites_is_refused_or_skipped_and_counted(tmp_path, tokenizers):
+    records = [_conv("The colour is red."), _conv("Blue.")]
+    with pytest.raises(Exception, match=r"c\.jsonl.*line 1.*cannot locate the content"):
+        _tokenize(tmp_path, tokenizers["rewrites"], records)
+    tok, out, counters = _tokenize(tmp_path, tokenizers["rewrites"], records, on_bad_record="skip")
+    assert out["input_ids"].to_pylist()[0] == [] and counters.get("skipped_bad_record") == 1
+    assert _trained_pieces(tok, out["input_ids"].to_pylist()[1], out["labels"].to_pylist()[1]) == ["Blue.<|im_end|>"]
+
+
+def test_glaive_tools_reach_the_text_as_a_system_turn_with_chatml(tmp_path):
+    """SmolLM2's template ignores ``tools=``: the schemas go into a system turn, counted per sample."""
+    records = json.loads(GLAIVE.read_text())[:20]
+    with_tools = [r for r in records if r.get("tools") and json.loads(r["tools"])]
+    assert with_tools and len(with_tools) < len(records)  # both kinds in the slice
+    tok, out, counters = _tokenize(tmp_path, SMOLLM2, records, sequence_len=4096)
+    assert counters.get("tools_in_system_turn") == len(with_tools)
+    assert "tools_rendered_by_template" not in counters
+    texts = [tok.hf.decode(ids) for ids in out["input_ids"].to_pylist()]
+    for rec, text in zip(records, texts, strict=True):
+        tools = json.loads(rec["tools"]) if rec.get("tools") else []
+        if tools:
+            assert text.startswith("<|im_start|>system\n" + tools_system_text(tools) + "<|im_end|>\n"), text[:300]
+            for t in tools:  # every schema is there, name and parameters
+                assert json.dumps(t, ensure_ascii=False) in text
+        else:
+            assert "<tools>" not in text and text.startswith("<|im_start|>system\nYou are a helpful AI assistant")
+
+
+def test_tools_go_to_a_template_that_renders_them(tmp_path, tokenizers):
+    tools = [{"name": "get_weather", "description": "Weather for a city", "parameters": {"type": "object"}}]
+    records = [{**_conv("Sunny."), "tools": json.dumps(tools)}, {**_conv("Rain."), "tools": tools}]
+    tok, out, counters = _tokenize(tmp_path, tokenizers["tools"], records)
+    assert counters.get("tools_rendered_by_template") == 2 and "tools_in_system_turn" not in counters
+    for ids, labels, answer in zip(out["input_ids"].to_pylist(), out["labels"].to_pylist(), ["Sunny.", "Rain."],
+                                   strict=True):
+        assert tok.hf.decode(ids).startswith("<|im_start|>system\nTools:\nget_weather: Weather for a city\n")
+        assert _trained_pieces(tok, ids, labels) == [f"{answer}<|im_end|>"]
+
+
+def test_tools_system_turn_joins_an_existing_system_turn(tokenizers):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(SMOLLM2)
+    cfg = make_config([{"path": "unused.jsonl", "type": "chat_template"}], tokenizer=SMOLLM2)
+    fmt = make_formatter(cfg.data.datasets[0], cfg.data, hf)
+    tools = [{"name": "f", "description": "d"}]
+    got = fmt({**_conv("ok", system="Be brief."), "tools": tools})
+    assert got.text.startswith(f"<|im_start|>system\nBe brief.\n\n{tools_system_text(tools)}<|im_end|>\n")
+    assert got.counters == ("tools_in_system_turn",)
+    assert [got.text[s:e] for s, e in got.spans] == ["ok<|im_end|>"]
+    for bad in ('[{"name": ', '{"name": "f"}', "[1, 2]"):
+        with pytest.raises(RecordError, match="tools"):
+            fmt({**_conv("ok"), "tools": bad})
