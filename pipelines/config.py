@@ -252,6 +252,10 @@ class RunConfig(_Strict):
     progress_bars: bool = Field(
         False, description="Ray Data progress bars of the training stream (in the feeder) and eval split; off: one log line per log step instead."
     )
+    on_data_change: Literal["fail", "restart"] = Field(
+        "fail", description="Resuming after the row stream changed (data, tokenizer, sequence_len, packing, seed, "
+        "mixing): fail names the change before training; restart keeps the weights and restarts the data at the "
+        "start of the current epoch (logged, and marked in the ledger).")
 
 
 class StorageConfig(_Strict):

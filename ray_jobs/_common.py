@@ -4,7 +4,8 @@ Validation (YAML, keys, types, the DeepSpeed config, resume path) happens before
 config exits with status 2 and a message naming the key, without starting anything.
 
 Ray: inside ``ray job submit`` (or with ``RAY_ADDRESS`` set) the script joins that cluster; otherwise
-``ray.init()`` starts a local instance for the duration of the script.
+a local instance starts for the duration of the script, on 127.0.0.1 (``pipelines.ray_local``; by
+default Ray would advertise the machine's network address).
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ def load_or_exit(config: str, overrides: list[str]) -> Config:
 
 
 def init_ray() -> None:
-    """Join the cluster of ``ray job submit`` / ``RAY_ADDRESS``, or start a local instance."""
+    """Join the cluster of ``ray job submit`` / ``RAY_ADDRESS``, or start a local instance on 127.0.0.1."""
     import ray
+
+    from pipelines.ray_local import init_local, node_addresses
 
     if ray.is_initialized():
         return
@@ -54,7 +57,8 @@ def init_ray() -> None:
         return
     # Local instance: its worker processes need to import `pipelines` from this checkout.
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    ray.init(runtime_env={"env_vars": {"PYTHONPATH": path}})
+    init_local(runtime_env={"env_vars": {"PYTHONPATH": path}})
+    print(f"ray: local instance on {', '.join(node_addresses())} (set RAY_ADDRESS to join a cluster)")
 
 
 def main(argv: list[str] | None, default_config: Path, description: str) -> int:
@@ -72,12 +76,18 @@ def main(argv: list[str] | None, default_config: Path, description: str) -> int:
     cpus = int(ray.cluster_resources().get("CPU", 0))
     how = "joined " + os.environ["RAY_ADDRESS"] if os.environ.get("RAY_ADDRESS") else "local Ray started"
     print(startup_line(time.time() - started_at, "cluster up", f"{how}, {cpus} CPUs"), flush=True)
-    from pipelines.train.storage import storage_filesystem
+    from pipelines.train.checkpoint import CheckpointError
+    from pipelines.train.storage import run_dir, storage_filesystem
     from pipelines.train.trainer import build_trainer
 
-    result = build_trainer(cfg, started_at=started_at).fit()
     try:
-        summary = read_summary(result.path, storage_filesystem(cfg))
+        trainer = build_trainer(cfg, started_at=started_at)
+    except CheckpointError as err:  # e.g. the data changed since the checkpoint: nothing was trained
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    result = trainer.fit()
+    try:
+        summary = read_summary(run_dir(cfg), storage_filesystem(cfg))
     except (OSError, ValueError) as err:  # e.g. the run stopped before writing it
         print(f"run dir: {result.path} (no summary.json: {err})")
         return 0

@@ -267,7 +267,7 @@ def read_summary(run_dir: str, filesystem: Any = None) -> dict[str, Any]:
     import pyarrow.fs as pafs
 
     if filesystem is not None:
-        fs, path = filesystem, run_dir.split("://", 1)[1]
+        fs, path = filesystem, run_dir.split("://", 1)[-1]
     elif "://" in run_dir:
         fs, path = pafs.FileSystem.from_uri(run_dir)
     else:
