@@ -3,10 +3,8 @@
 The stream of one source is deterministic (``data.deterministic``): files in a seeded order, each
 cut into packing units, each unit packed on its own. A run consumes that stream as a prefix, so its
 position is one point: "file ``file_pos`` of the epoch's order, the unit starting at ``row`` (byte
-``byte``), of which ``skip_rows`` packed rows are done". Worked example, units of 1000 records::
-
-    consumed the 3rd of 7 rows of the unit starting at row 2000 of the 2nd file
-    -> ResumePoint(epoch=0, file_pos=1, row=2000, byte=<offset of row 2000>, skip_rows=3)
+``byte``), of which ``skip_rows`` packed rows are done" (:class:`pipelines.units.ResumePoint`, made by
+:func:`pipelines.units.point_after`, with a worked example there).
 
 On resume, files before ``file_pos`` are not opened, the file is seeked to ``byte`` (JSONL) or its
 row groups skipped (Parquet), and only that one unit is tokenized again - so resuming costs the same
@@ -39,8 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow.fs as pafs
 
-from pipelines.dataset import ResumePoint
-from pipelines.sources import split_sample_id
+from pipelines.units import STREAM_LAYOUT, ResumePoint, point_after
 
 if TYPE_CHECKING:
     from pipelines.config import Config
@@ -54,15 +51,6 @@ DATA_STATE_VERSION = 1
 
 class DataStateError(ValueError):
     """A saved data position that cannot be used: unreadable, another version, or another stream."""
-
-
-def point_after(row: dict[str, Any], file_pos_of: dict[int, int], epoch: int) -> ResumePoint:
-    """The resume point right after ``row`` was trained on (``file_pos_of``: source index -> read position)."""
-    source, first_row = split_sample_id(row["unit_id"])
-    file_pos = file_pos_of[source]
-    if row["unit_row"] + 1 < row["unit_rows"]:
-        return ResumePoint(epoch, file_pos, first_row, row["unit_start_byte"], row["unit_row"] + 1)
-    return ResumePoint(epoch, file_pos, row["unit_end_row"], row["unit_end_byte"], 0)
 
 
 @dataclass
@@ -162,7 +150,7 @@ def _sha(chunks: Iterable[bytes]) -> str:
 
 def _tokenizer_identity(cfg: Config) -> tuple[str, str]:
     """``(tokenizer, chat_template)`` entries: the tokenizer's name plus a hash of its files (when local)."""
-    from pipelines.tokenize import resolve_tokenizer_path
+    from pipelines.tokenizer import resolve_tokenizer_path
 
     name = cfg.model.tokenizer_path or ""
     path = resolve_tokenizer_path(cfg.model) if name else ""
@@ -201,6 +189,7 @@ def stream_fingerprint(cfg: Config) -> dict[str, Any]:
     listing = [f"{f.url}\t{f.format}\t{f.size}\t{f.meta}".encode() for f in table.files]
     out["files"] = f"{len(listing)} files, sha256 {_sha(listing)}"
     out["tokenizer"], out["chat_template"] = _tokenizer_identity(cfg)
+    out["stream_layout"] = STREAM_LAYOUT  # how units are cut and shuffled (pipelines.units)
     return out
 
 

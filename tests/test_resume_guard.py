@@ -81,7 +81,7 @@ def test_fingerprint_covers_files_tokenizer_and_weights_but_not_speed_knobs(tmp_
 
 
 def test_fingerprint_tokenizer_identity_and_chat_template(tmp_path):
-    from pipelines.tokenize import resolve_tokenizer_path
+    from pipelines.tokenizer import resolve_tokenizer_path
 
     src = Path(resolve_tokenizer_path(_cfg(tmp_path).model))
     copy = tmp_path / "tok"

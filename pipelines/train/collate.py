@@ -38,7 +38,8 @@ try:  # Ray Data's marker base class; without Ray (benchmarks/gpu_check.py on a 
 except ImportError:  # pragma: no cover - exercised by tests/test_gpu_check.py with Ray blocked
     NumpyBatchCollateFn = object  # type: ignore[assignment,misc]
 
-IGNORE_INDEX = -100
+from pipelines.tokenizer import IGNORE_INDEX
+
 CollateMode = Literal["mask", "flatten"]
 
 

@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from pipelines.config import Config, config_from_dict
+from pipelines.seeds import local_shuffle_seed
 from pipelines.storage import StorageOptions
 from pipelines.train.checkpoint import (
     TrainerState,
@@ -221,7 +222,7 @@ class WorkerLoop:
             collate_fn=self.te.collate_fn(),
             prefetch_batches=train.prefetch_batches,
             local_shuffle_buffer_size=max(buffer, train.micro_batch_size) if buffer else None,
-            local_shuffle_seed=self.cfg.data.shuffle_seed + 1009 * epoch + self.te.rank if buffer else None,
+            local_shuffle_seed=local_shuffle_seed(self.cfg.data.shuffle_seed, epoch, self.te.rank) if buffer else None,
         )
 
     def _no_rows_message(self) -> str:
