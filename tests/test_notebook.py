@@ -31,8 +31,10 @@ def test_quickstart_executes(tmp_path, monkeypatch):
     client.execute()
     text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert "rows; columns:" in text and "loss " in text and "->" in text
+    assert "parameters trained" in text and "adapter_model.safetensors" in text  # the LoRA cells
     images = [o for c in nb.cells for o in getattr(c, "outputs", []) if "image/png" in o.get("data", {})]
     assert len(images) == 2  # the length histogram and the loss curve
     html = [o for c in nb.cells for o in getattr(c, "outputs", []) if "text/html" in o.get("data", {})]
     assert html and "background:#cfc" in html[0]["data"]["text/html"]  # trained tokens highlighted
     assert os.path.isdir(tmp_path / "runs" / "notebook-quickstart")
+    assert os.path.isfile(tmp_path / "runs" / "notebook-lora" / "adapter" / "adapter_config.json")

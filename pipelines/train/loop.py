@@ -36,7 +36,7 @@ from pipelines.train.checkpoint import (
     resume_data_state,
     stamp,
 )
-from pipelines.train.export import export_hf_model
+from pipelines.train.export import export_run
 from pipelines.train.faults import maybe_fail
 from pipelines.train.feed import StepFeed, share_feeder
 from pipelines.train.metrics import (
@@ -151,6 +151,10 @@ class WorkerLoop:
 
     def run(self) -> None:
         self.clock.mark("loop")
+        params = self.te.params  # printed on rank 0's "engine ready" line (engine_summary)
+        self.metrics.write({"kind": "params", "step": self.state.step, "trainable_params": params.trainable,
+                            "total_params": params.total, "trainable_fraction": params.fraction,
+                            "adapter": self.te.adapter.type})
         if self.state.step:  # restored from a checkpoint: mark it in metrics.jsonl
             self.metrics.write({"kind": "resume", "step": self.state.step, "epoch": self.state.epoch})
         if self._done():
@@ -290,10 +294,9 @@ class WorkerLoop:
 
     def _export(self) -> str:
         t0 = time.perf_counter()
-        out = OutputDir(f"{self.run_dir}/model", self.storage) if self.te.rank == 0 else None
-        export_hf_model(self.te, out)
+        path = export_run(self.te, self.cfg, self.run_dir, self.storage)
         self.totals.export_s += time.perf_counter() - t0
-        return f"{self.run_dir}/model"
+        return path
 
     def _first_step_lines(self, stats) -> None:
         """Start-up lines: when the first batch arrived (the stream's start-up) and the first step ended."""

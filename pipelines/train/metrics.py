@@ -293,9 +293,9 @@ def quiet_ray_train_reports() -> None:
 
 
 def engine_summary(cfg: Any, te: Any) -> str:
-    """``LlamaForCausalLM 1.07M params, DeepSpeed ZeRO-2, fp32, attention sdpa``."""
-    module = te.engine.module
-    n = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())  # ZeRO-3 keeps the size in ds_numel
-    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-    return (f"{type(module).__name__} {size} params, DeepSpeed ZeRO-{te.zero_stage}, "
-            f"{'bf16' if cfg.train.bf16 else 'fp32'}, attention {te.attn_implementation}")
+    """``LlamaForCausalLM, trainable params 1,066,240 of 1,066,240 (100.00%), adapter none, DeepSpeed ZeRO-2,
+    fp32, attention sdpa`` (the parameter counts are taken before DeepSpeed wraps the model, so ZeRO-3's
+    partitioning does not hide them)."""
+    return (f"{type(te.engine.module).__name__}, {te.params.line()}, adapter {te.adapter.type}, "
+            f"DeepSpeed ZeRO-{te.zero_stage}, {'bf16' if cfg.train.bf16 else 'fp32'}, "
+            f"attention {te.attn_implementation}")
