@@ -316,6 +316,11 @@ class RunConfig(_Strict):
     progress_bars: bool = Field(
         False, description="Ray Data progress bars of the training stream (in the feeder) and eval split; off: one log line per log step instead."
     )
+    ray_log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "WARNING", description="Ray Train's console log level (ray.train.LoggingConfig.log_level), also applied in each "
+        "worker to Ray's per-report 'Reporting training result ... TrainingReport(...)' lines (INFO, every rank); "
+        "INFO or DEBUG to see them."
+    )
     on_data_change: Literal["fail", "restart"] = Field(
         "fail", description="Resuming after the row stream changed (data, tokenizer, sequence_len, packing, seed, "
         "mixing): fail names the change before training; restart keeps the weights and restarts the data at the "

@@ -92,9 +92,10 @@ def main(argv: list[str] | None, default_config: Path, description: str) -> int:
         print(f"run dir: {result.path} (no summary.json: {err})")
         return 0
     extra: dict[str, float] = {}
-    if summary.get("model_path") and _is_local_demo(cfg, summary["model_path"]):
+    full_model = summary.get("model_path") if summary.get("model_path") != summary.get("adapter_path") else None
+    if full_model and _is_local_demo(cfg, full_model):
         t0 = time.time()
-        _show_demo_answers(summary["model_path"])
+        _show_demo_answers(full_model)
         extra["demo answers"] = time.time() - t0
     print(format_summary(summary, extra), flush=True)
     return 0

@@ -68,6 +68,41 @@ def test_format_summary_holds_the_values():
     assert "AutoModelForCausalLM.from_pretrained('/r/demo/model')" in text
 
 
+def test_format_summary_says_how_to_load_an_adapter_or_a_merged_model():
+    rec = {"step": 4, "steps_this_run": 4, "tokens_this_run": 100, "run_dir": "/r/l",
+           "metrics_path": "/r/l/metrics.jsonl", "time_s": {k: 1.0 for k in (
+               "start_workers", "start_engine", "start_restore_feeder", "first_batch_wait", "first_step", "steps",
+               "data_wait", "eval", "checkpoint", "export", "other", "total")}}
+    alone = format_summary({**rec, "model_path": "/r/l/adapter", "adapter_path": "/r/l/adapter",
+                            "base_model": "Qwen/Qwen2.5-0.5B"})
+    assert "  adapter:   /r/l/adapter" in alone and "AutoModelForCausalLM.from_pretrained('Qwen/Qwen2.5-0.5B')" in alone
+    assert "PeftModel.from_pretrained(base, '/r/l/adapter')" in alone and "  model: " not in alone
+    merged = format_summary({**rec, "model_path": "/r/l/model", "adapter_path": "/r/l/adapter", "base_model": None})
+    assert "  adapter:   /r/l/adapter" in merged and "AutoModelForCausalLM.from_pretrained('/r/l/model')" in merged
+    assert "PeftModel" not in merged
+    assert "run.export_model=false" in format_summary(rec)
+
+
+def test_worker_console_setup_reaches_ray_trains_report_logger():
+    """Ray 2.60's per-report INFO line comes from a logger named by its file path, outside ``ray.train``
+    (which LoggingConfig filters): the level is set on that logger, and a verbose level lets it through."""
+    import logging
+
+    from ray.train.v2._internal.execution import context as train_context
+
+    from pipelines.train.metrics import setup_worker_console
+
+    logger = train_context.logger
+    before = logger.level
+    try:
+        setup_worker_console("WARNING")
+        assert not logger.isEnabledFor(logging.INFO)
+        setup_worker_console("INFO")
+        assert logger.isEnabledFor(logging.INFO)
+    finally:
+        logger.setLevel(before)
+
+
 # --------------------------------------------------------------------------- the entry point, end to end
 
 TINY = ["model.init.hidden_size=64", "model.init.intermediate_size=128", "model.init.num_hidden_layers=2",
@@ -89,8 +124,13 @@ def test_sft_entry_point_prints_clean_lines_and_a_true_summary(tmp_path):
     cmd = [sys.executable, str(ROOT / "ray_jobs" / "sft.py"), *TINY, f"run.storage_path={tmp_path}", "run.name=demo"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=880)
     out = proc.stdout + proc.stderr
+    (tmp_path / "console.txt").write_text(out)  # what the user saw, kept with pytest's tmp dirs
     assert proc.returncode == 0, out[-4000:]
+    check_console(out, tmp_path / "demo")
 
+
+def check_console(out: str, run: Path) -> None:
+    """The console of a ``TINY`` run (stdout + stderr) against what it wrote to ``run``."""
     assert not OURS.findall(out), OURS.findall(out)
     assert "exclude_resources" not in out  # Ray Train's default ingest options, avoided in build_trainer
     assert "Reporting training result" not in out  # Ray Train's per-report dump from every rank
@@ -98,13 +138,14 @@ def test_sft_entry_point_prints_clean_lines_and_a_true_summary(tmp_path):
 
     for phase in ("config:", "cluster up:", "workers up:", "engine ready:", "first batch:", "first step:"):
         assert re.search(rf"\[\s*\d+\.\ds\] {phase}", out), phase
+    assert re.search(r"engine ready: LlamaForCausalLM, trainable params [\d,]+ of [\d,]+ \(100\.00%\), adapter none", out)
     step_lines = re.findall(r"\] step (\d+)/6 \|", out)
     assert step_lines == ["2", "4", "6"], step_lines  # one line per log step, from rank 0 only
 
-    run = tmp_path / "demo"
     summary = json.loads((run / "summary.json").read_text())
     train, evals = _records(run, "train"), _records(run, "eval")
-    block = out[out.index("summary: "):]
+    assert "\nsummary: " in out, out[-3000:]  # the block's first line (format_summary)
+    block = out[out.index("\nsummary: "):]
     assert f"summary: 6 steps (6 this run), {sum(r['tokens'] for r in train):,} tokens this run" in block
     assert summary["tokens_this_run"] == sum(r["tokens"] for r in train)
     assert f"train {train[-1]['loss']:.4f} | eval {evals[-1]['eval_loss']:.4f}" in block
@@ -116,6 +157,8 @@ def test_sft_entry_point_prints_clean_lines_and_a_true_summary(tmp_path):
     t = summary["time_s"]
     assert t["total"] > 0 and sum(v for k, v in t.items() if k != "total") == pytest.approx(t["total"], abs=0.1)
     assert t["checkpoint"] > 0 and t["export"] > 0 and t["start_workers"] > 0
+    assert f"start-up {t['start_workers'] + t['start_engine'] + t['start_restore_feeder']:.1f}s" in block
+    assert f"checkpoint {t['checkpoint']:.1f}s | export {t['export']:.1f}s" in block
     ckpt, model = Path(summary["checkpoint_path"]), Path(summary["model_path"])
     assert ckpt == run / "checkpoint_00000006" and (ckpt / "trainer_state.json").is_file()
     assert (model / "config.json").is_file() and Path(summary["ledger_path"]).is_dir()

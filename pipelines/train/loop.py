@@ -46,7 +46,7 @@ from pipelines.train.metrics import (
     Window,
     engine_summary,
     format_line,
-    quiet_ray_train_reports,
+    setup_worker_console,
     startup_line,
 )
 from pipelines.train.step import (
@@ -78,8 +78,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Entry point Ray Train runs on every worker."""
     import ray.train
 
-    quiet_ray_train_reports()
     cfg = config_from_dict(config["cfg"], source=config.get("source"), base_dir=config.get("base_dir"))
+    setup_worker_console(cfg.run.ray_log_level)
     clock = Clock(config.get("started_at") or time.time())
     device = None
     if cfg.scaling.use_gpu:
@@ -335,8 +335,14 @@ class WorkerLoop:
             "final_eval_loss": self.last_eval.get("eval_loss"),
             "packing_efficiency": self.totals.packing_efficiency(self.cfg.data.sequence_len),
             "data_quality": self._data_quality(),
+            "trainable_params": self.te.params.trainable,
+            "total_params": self.te.params.total,
+            "adapter": self.te.adapter.type,
+            "base_model": self.cfg.model.name_or_path,  # None for a model.init (random) base
             "run_dir": self.run_dir,
-            "model_path": model_path,
+            "model_path": model_path,  # export_run's main path: <run dir>/model, or <run dir>/adapter
+            "adapter_path": (f"{self.run_dir}/adapter" if model_path is not None and self.te.adapter.enabled
+                             else None),
             "checkpoint_path": self.last_checkpoint or (f"{self.run_dir}/{checkpoint_dir_name(self.state.step)}"
                                                          if self.state.step else None),
             "ledger_path": f"{self.run_dir}/ledger" if isinstance(self.train_shard, StepFeed) else None,

@@ -252,15 +252,33 @@ def format_summary(summary: dict[str, Any], extra_time: dict[str, float] | None 
     if summary.get("ledger_path"):
         lines.append(f"  ledger:    {summary['ledger_path']}")
     lines.append(f"  metrics:   {summary['metrics_path']}")
-    if summary.get("model_path"):
-        lines += [
-            f"  model:     {summary['model_path']}",
-            "  load it:   from transformers import AutoModelForCausalLM, AutoTokenizer",
-            f"             model = AutoModelForCausalLM.from_pretrained({summary['model_path']!r})",
-            f"             tokenizer = AutoTokenizer.from_pretrained({summary['model_path']!r})",
-        ]
+    lines += _load_lines(summary)
     lines.append("=" * 78)
     return "\n".join(lines)
+
+
+def _load_lines(summary: dict[str, Any]) -> list[str]:
+    """Where the exported model is and the code that loads it: a full (or merged) model with
+    transformers, an adapter alone with peft on its base (see :mod:`pipelines.train.export`)."""
+    model, adapter = summary.get("model_path"), summary.get("adapter_path")
+    lines = [f"  adapter:   {adapter}"] if adapter else []
+    if model and model != adapter:  # <run dir>/model: full fine-tuning or train.export_merged
+        return lines + [
+            f"  model:     {model}",
+            "  load it:   from transformers import AutoModelForCausalLM, AutoTokenizer",
+            f"             model = AutoModelForCausalLM.from_pretrained({model!r})",
+            f"             tokenizer = AutoTokenizer.from_pretrained({model!r})",
+        ]
+    if adapter:
+        base = summary.get("base_model")
+        return lines + [
+            "  load it:   from peft import PeftModel; from transformers import AutoModelForCausalLM, AutoTokenizer",
+            f"             base = AutoModelForCausalLM.from_pretrained({base!r})" if base else
+            "             base = <the model.init model, as built for training> (or set train.export_merged=true)",
+            f"             model = PeftModel.from_pretrained(base, {adapter!r})",
+            f"             tokenizer = AutoTokenizer.from_pretrained({adapter!r})",
+        ]
+    return lines + ["  model:     - (run.export_model=false)"]
 
 
 def read_summary(run_dir: str, filesystem: Any = None) -> dict[str, Any]:
@@ -277,17 +295,26 @@ def read_summary(run_dir: str, filesystem: Any = None) -> dict[str, Any]:
         return json.loads(f.read().decode("utf-8"))
 
 
-def quiet_ray_train_reports() -> None:
-    """Worker-side console hygiene, called first in ``train_loop_per_worker``.
+def setup_worker_console(ray_log_level: str) -> None:
+    """Worker-side console hygiene, called first in ``train_loop_per_worker`` (so in every worker process,
+    before its first ``ray.train.report``).
 
-    * Ray Train V2 logs every ``ray.train.report`` at INFO from every rank ("Reporting training result
-      N: TrainingReport(...)", the whole metrics dict); ``LoggingConfig(log_level="WARNING")`` does not
-      reach that logger in the workers. Our own line per log step replaces it.
-    * DeepSpeed 0.19's ZeRO-1/2 optimizer calls ``torch.distributed.all_gather_into_tensor``, which
-      torch 2.14 deprecates with a ``FutureWarning`` (from torch's c10d_logger.py) on each rank: not
-      ours to fix; this filter names that one message only.
+    ``ray_log_level`` (``run.ray_log_level``) goes to the Ray Train logger that ``LoggingConfig`` misses.
+
+    Ray Train V2 logs every ``ray.train.report`` at INFO from every rank ("Reporting training result
+    N: TrainingReport(...)", the whole metrics dict). Ray 2.60 names that module's logger
+    ``logging.getLogger(__file__)`` -- a file path, not ``ray.train.v2._internal.execution.context`` --
+    so it sits outside the ``ray.train`` hierarchy that ``LoggingConfig(log_level=...)`` filters, and
+    its records reach the worker's root console handler. The level is therefore set on that logger
+    object itself (whatever its name). Our own line per log step (rank 0) replaces it.
+
+    DeepSpeed 0.19's ZeRO-1/2 optimizer calls ``torch.distributed.all_gather_into_tensor``, which
+    torch 2.14 deprecates with a ``FutureWarning`` (from torch's c10d_logger.py) on each rank: not
+    ours to fix (a third-party call); this filter names that one message only.
     """
-    logging.getLogger("ray.train.v2._internal.execution.context").setLevel(logging.WARNING)
+    from ray.train.v2._internal.execution import context as train_context
+
+    train_context.logger.setLevel(getattr(logging, ray_log_level))
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
                             category=FutureWarning)
 

@@ -118,7 +118,7 @@ def build_trainer(
         failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
         worker_runtime_env=_worker_env(use_gpu),
-        logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # our own lines, not Ray's per report
+        logging_config=ray.train.LoggingConfig(log_level=cfg.run.ray_log_level),  # rank 0 prints our own lines
     )
     return TorchTrainer(
         train_loop_per_worker,
