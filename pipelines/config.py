@@ -313,6 +313,14 @@ class RunConfig(_Strict):
     keep_checkpoints: int = Field(2, gt=0, description="Checkpoints kept in the run directory (CheckpointConfig.num_to_keep).")
     max_failures: int = Field(0, ge=-1, description="Ray Train FailureConfig.max_failures (-1: forever).")
     export_model: bool = Field(True, description="Write a Hugging Face model + tokenizer at the end.")
+    progress_bars: bool = Field(
+        False, description="Ray Data progress bars of the training stream (in the feeder) and eval split; off: one log line per log step instead."
+    )
+    ray_log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "WARNING", description="Ray Train's console log level (ray.train.LoggingConfig.log_level), also applied in each "
+        "worker to Ray's per-report 'Reporting training result ... TrainingReport(...)' lines (INFO, every rank); "
+        "INFO or DEBUG to see them."
+    )
     on_data_change: Literal["fail", "restart"] = Field(
         "fail", description="Resuming after the row stream changed (data, tokenizer, sequence_len, packing, seed, "
         "mixing): fail names the change before training; restart keeps the weights and restarts the data at the "

@@ -202,6 +202,7 @@ class Feeder:
                  state: dict | None = None, ledger_root: str | None = None, prefetch_items: int = 4,
                  plan: StreamPlan | None = None) -> None:
         self.cfg = config_from_dict(cfg_dict, base_dir=base_dir)
+        ray.data.DataContext.get_current().enable_progress_bars = self.cfg.run.progress_bars  # this process's streams
         self.world, self.k, self.epochs = world_size, rows_per_rank, epochs
         self.plan = plan or StreamPlan(self.cfg, "train")
         restored = DataState.from_dict(state)

@@ -94,7 +94,7 @@ def test_ray_job_submit_sft(ray_head, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "succeeded" in out
-    assert f"model:      {tmp_path}/job/model" in out
+    assert f"  model:     {tmp_path}/job/model" in out  # the summary block (pipelines.train.metrics.format_summary)
     run = tmp_path / "job"
     assert (run / "model" / "config.json").is_file() and (run / "model" / "tokenizer.json").is_file()
     assert (run / "checkpoint_00000006" / "trainer_state.json").is_file()

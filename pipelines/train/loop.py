@@ -39,7 +39,16 @@ from pipelines.train.checkpoint import (
 from pipelines.train.export import export_run
 from pipelines.train.faults import maybe_fail
 from pipelines.train.feed import StepFeed, resume_epoch, share_feeder
-from pipelines.train.metrics import MetricsWriter, Window, format_line
+from pipelines.train.metrics import (
+    Clock,
+    MetricsWriter,
+    RunTotals,
+    Window,
+    engine_summary,
+    format_line,
+    setup_worker_console,
+    startup_line,
+)
 from pipelines.train.step import (
     BatchSource,
     TrainEngine,
@@ -52,14 +61,17 @@ from pipelines.train.step import (
 from pipelines.train.storage import OutputDir, is_remote, run_dir
 
 
-def payload(cfg: Config, fit_id: str, has_eval: bool, feed: bool = False) -> dict[str, Any]:
+def payload(cfg: Config, fit_id: str, has_eval: bool, feed: bool = False,
+            started_at: float | None = None) -> dict[str, Any]:
     """What the driver sends each worker (plain data: the config is rebuilt and re-validated there).
 
     ``feed``: the training rows come from the exactly-once feeder (:mod:`pipelines.train.feed`)
-    rather than a Ray Data shard passed to the trainer.
+    rather than a Ray Data shard passed to the trainer. ``started_at``: the job's start
+    (``time.time()``), the zero of rank 0's start-up lines and of the summary's time breakdown.
     """
     return {"cfg": cfg.model_dump(mode="json"), "base_dir": cfg.base_dir, "source": cfg.source,
-            "fit_id": fit_id, "has_eval": has_eval, "feed": feed}
+            "fit_id": fit_id, "has_eval": has_eval, "feed": feed,
+            "started_at": time.time() if started_at is None else started_at}
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -67,14 +79,25 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
 
     cfg = config_from_dict(config["cfg"], source=config.get("source"), base_dir=config.get("base_dir"))
+    setup_worker_console(cfg.run.ray_log_level)
+    clock = Clock(config.get("started_at") or time.time())
     device = None
     if cfg.scaling.use_gpu:
         import ray.train.torch
 
         device = ray.train.torch.get_device()
+    clock.mark("workers")  # Ray Train's worker group is up (and its process group joined)
     init_distributed(cfg.scaling.use_gpu, device)
     te = build_engine(cfg)
+    clock.mark("engine")
     state = restore(te, cfg.run.resume, config["fit_id"], cfg.storage)
+    clock.mark("restore")
+    if te.rank == 0:
+        backend = "nccl" if cfg.scaling.use_gpu else "gloo"
+        for line in (startup_line(clock.at("workers"), "workers up", f"{te.world_size} ranks ({backend})"),
+                     startup_line(clock.at("engine"), "engine ready", engine_summary(cfg, te),
+                                  took=clock.between("workers", "engine"))):
+            print(line, file=sys.__stdout__, flush=True)
     eval_shard = ray.train.get_dataset_shard("eval") if config.get("has_eval") else None
     fingerprint: dict[str, Any] = {}
     if config.get("feed"):
@@ -94,7 +117,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             state.epoch = epoch  # the feeder's: the next one when the checkpoint ended an epoch
     else:
         train = ray.train.get_dataset_shard("train")
-    WorkerLoop(cfg, te, state, train, eval_shard, fingerprint).run()
+    clock.mark("feeder")
+    WorkerLoop(cfg, te, state, train, eval_shard, fingerprint, clock).run()
 
 
 class NoTrainingData(RuntimeError):
@@ -105,9 +129,11 @@ class WorkerLoop:
     """The epoch/step loop of one worker and its periodic side jobs (log, eval, checkpoint)."""
 
     def __init__(self, cfg: Config, te: TrainEngine, state: TrainerState, train_shard, eval_shard=None,
-                 fingerprint: dict[str, Any] | None = None):
+                 fingerprint: dict[str, Any] | None = None, clock: Clock | None = None):
         self.cfg, self.te, self.state = cfg, te, state
         self.fingerprint = fingerprint or {}  # of the row stream, stamped on every data state (rank 0)
+        self.clock = clock or Clock(time.time())
+        self.totals = RunTotals()
         self.train_shard, self.eval_shard = train_shard, eval_shard
         self.run_dir = run_dir(cfg)
         self.storage = StorageOptions.from_config(cfg.storage)
@@ -126,9 +152,8 @@ class WorkerLoop:
     # ----------------------------------------------------------------- main loop
 
     def run(self) -> None:
-        t0 = time.time()
-        params = self.te.params
-        self._print(f"model: {params.line()} | adapter {self.te.adapter.type}")
+        self.clock.mark("loop")
+        params = self.te.params  # printed on rank 0's "engine ready" line (engine_summary)
         self.metrics.write({"kind": "params", "step": self.state.step, "trainable_params": params.trainable,
                             "total_params": params.total, "trainable_fraction": params.fraction,
                             "adapter": self.te.adapter.type})
@@ -148,7 +173,7 @@ class WorkerLoop:
         if self.eval_shard is not None and self.steps_this_fit and self.last_eval.get("step") != self.state.step:
             self._evaluate()  # final eval, unless eval_every_steps just did it
         model_path = self._export() if self.cfg.run.export_model else None
-        self._summary(time.time() - t0, model_path)
+        self._summary(model_path)
         self.metrics.close()
 
     def _epoch(self) -> int:
@@ -168,6 +193,9 @@ class WorkerLoop:
             self.state.step += 1
             self.state.tokens += stats.tokens
             self.window.add(stats)
+            self.totals.add(stats)
+            if self.steps_this_fit == 1:
+                self._first_step_lines(stats)
             step = self.state.step
             maybe_fail(step, self.te.rank, self.te.world_size, self.fault_dir)
             if step % train.log_every_steps == 0 or self._hit_max_steps():
@@ -227,18 +255,22 @@ class WorkerLoop:
         rec = self.window.record(self.state.step, self.state.epoch, self.cfg.data.sequence_len, wait_s, time_s)
         self.window = Window()
         self.last_record = rec
-        self._print(format_line(rec, self.cfg.train.max_steps))
+        self._print(startup_line(self.clock.now(), format_line(rec, self.cfg.train.max_steps)))
         self.metrics.write(rec)
 
     def _evaluate(self) -> None:
+        t0 = time.perf_counter()
         res = evaluate(self.te, self._iter(self.eval_shard), self.cfg.train.eval_max_batches)
+        self.totals.eval_s += time.perf_counter() - t0
         rec = {"kind": "eval", "step": self.state.step, **res}
-        self._print(f"eval step {self.state.step} | loss {res['eval_loss']:.4f} | "
-                    f"ppl {res['eval_perplexity']:.2f} | tokens {res['eval_tokens']:,}")
+        self._print(startup_line(self.clock.now(), f"eval step {self.state.step} | loss {res['eval_loss']:.4f} | "
+                                 f"ppl {res['eval_perplexity']:.2f} | tokens {res['eval_tokens']:,}",
+                                 took=time.perf_counter() - t0))
         self.metrics.write(rec)
         self.last_eval = {**res, "step": self.state.step}
 
     def _checkpoint(self) -> None:
+        t0 = time.perf_counter()
         if isinstance(self.train_shard, StepFeed) and self.te.rank == 0:
             # The data position after the last step, counted in source samples; the feeder also
             # writes these steps to the ledger.
@@ -247,7 +279,10 @@ class WorkerLoop:
         name = report_checkpoint(self.te, self.state, self._report_metrics())
         self.last_checkpoint = f"{self.run_dir}/{name}"
         self.checkpointed_step = self.state.step
-        self._print(f"checkpoint step {self.state.step} -> {self.last_checkpoint}")
+        self.totals.checkpoint_s += time.perf_counter() - t0
+        self.totals.checkpoints += 1
+        self._print(startup_line(self.clock.now(), f"checkpoint step {self.state.step} -> {self.last_checkpoint}",
+                                 took=time.perf_counter() - t0))
 
     def _report_metrics(self) -> dict[str, Any]:
         """Numbers for ``ray.train.report`` (Result.metrics): the last train window + last eval."""
@@ -260,29 +295,67 @@ class WorkerLoop:
         ray.train.report(self._report_metrics())
 
     def _export(self) -> str:
-        return export_run(self.te, self.cfg, self.run_dir, self.storage)
+        t0 = time.perf_counter()
+        path = export_run(self.te, self.cfg, self.run_dir, self.storage)
+        self.totals.export_s += time.perf_counter() - t0
+        return path
 
-    def _summary(self, wall_s: float, model_path: str | None) -> None:
+    def _first_step_lines(self, stats) -> None:
+        """Start-up lines: when the first batch arrived (the stream's start-up) and the first step ended."""
+        self.clock.mark("first_step")
+        first_batch_at = self.clock.at("first_step") - stats.step_time_s + stats.data_wait_s
+        self.totals.first_step_s = stats.step_time_s - stats.data_wait_s
+        self.totals.first_batch_wait_s = stats.data_wait_s
+        self._print(startup_line(first_batch_at, "first batch", f"{stats.rows} rows, {stats.tokens:,} tokens "
+                                 "(the stream's start: tokenizer actors, read, tokenize, pack)",
+                                 took=stats.data_wait_s))
+        self._print(startup_line(self.clock.at("first_step"), "first step", f"loss {stats.loss:.4f}",
+                                 took=self.totals.first_step_s))
+
+    def _data_quality(self) -> dict[str, Any]:
+        """The feeder's data-quality counters (empty when rows come from a given Ray Data shard)."""
+        if self.te.rank != 0 or not isinstance(self.train_shard, StepFeed):
+            return {}
+        try:
+            return self.train_shard.report().get("counters", {})
+        except Exception as err:  # noqa: BLE001  # the summary must not fail the run after the export
+            self._print(f"(data-quality counters unavailable: {err!r})")
+            return {}
+
+    def _summary(self, model_path: str | None) -> None:
+        self.clock.mark("end")
         rec = {
             "kind": "summary",
             "step": self.state.step,
             "steps_this_run": self.steps_this_fit,
             "epochs": self.state.epoch,
             "tokens": self.state.tokens,
-            "wall_time_s": round(wall_s, 1),
+            "tokens_this_run": self.totals.tokens,
+            "wall_time_s": round(self.clock.at("end"), 1),
+            "time_s": self.totals.breakdown(self.clock),
             "final_loss": self.last_record.get("loss"),
-            "model_path": model_path,
+            "final_eval_loss": self.last_eval.get("eval_loss"),
+            "packing_efficiency": self.totals.packing_efficiency(self.cfg.data.sequence_len),
+            "data_quality": self._data_quality(),
+            "trainable_params": self.te.params.trainable,
+            "total_params": self.te.params.total,
+            "adapter": self.te.adapter.type,
+            "base_model": self.cfg.model.name_or_path,  # None for a model.init (random) base
+            "run_dir": self.run_dir,
+            "model_path": model_path,  # export_run's main path: <run dir>/model, or <run dir>/adapter
+            "adapter_path": (f"{self.run_dir}/adapter" if model_path is not None and self.te.adapter.enabled
+                             else None),
             "checkpoint_path": self.last_checkpoint or (f"{self.run_dir}/{checkpoint_dir_name(self.state.step)}"
                                                          if self.state.step else None),
+            "ledger_path": f"{self.run_dir}/ledger" if isinstance(self.train_shard, StepFeed) else None,
+            "metrics_path": f"{self.run_dir}/metrics.jsonl",
         }
         self.metrics.write(rec)
         if self.out is not None:
             with open(os.path.join(self.out.local, "summary.json"), "w", encoding="utf-8") as f:
                 json.dump(rec, f, indent=2)
-        self._print(
-            f"done: {rec['step']} steps ({rec['steps_this_run']} this run), {rec['tokens']:,} tokens, "
-            f"{rec['wall_time_s']}s | model: {model_path} | checkpoint: {rec['checkpoint_path']}"
-        )
+        self._print(startup_line(rec["wall_time_s"], "done", f"step {rec['step']}, {rec['tokens_this_run']:,} tokens "
+                                 f"this run; summary: {self.run_dir}/summary.json"))
 
     def _print(self, line: str) -> None:
         """Rank 0 prints to the process's real stdout (Ray forwards it to the driver once; the

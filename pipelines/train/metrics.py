@@ -18,8 +18,11 @@ writes.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,3 +121,208 @@ class MetricsWriter:
         self._jsonl.close()
         self._tb.close()
         self.out.sync()
+
+
+# --------------------------------------------------------------------------- start-up lines and summary
+
+
+class Clock:
+    """Seconds since the job started (the driver's ``time.time()``), with named marks.
+
+    Rank 0 prints its start-up lines against it, e.g. ``[  24.1s] engine ready: ...``, so the
+    driver's and rank 0's lines share one time axis.
+    """
+
+    def __init__(self, started_at: float) -> None:
+        self.started_at = started_at
+        self.marks: dict[str, float] = {}
+
+    def now(self) -> float:
+        return time.time() - self.started_at
+
+    def mark(self, name: str) -> float:
+        self.marks[name] = self.now()
+        return self.marks[name]
+
+    def at(self, name: str) -> float:
+        return self.marks[name]
+
+    def between(self, a: str, b: str) -> float:
+        return self.marks[b] - self.marks[a] if a in self.marks and b in self.marks else 0.0
+
+
+def startup_line(t: float, phase: str, detail: str = "", took: float | None = None) -> str:
+    """``[  12.3s] first step: loss 5.61 (0.5s)``: ``t`` seconds since the job started."""
+    return f"[{t:7.1f}s] {phase}" + (f": {detail}" if detail else "") + (f" ({took:.1f}s)" if took is not None else "")
+
+
+@dataclass
+class RunTotals:
+    """Sums over the steps of this fit (rank 0's times; token/row counts are global) and side-job times."""
+
+    steps: int = 0
+    tokens: int = 0
+    rows: int = 0
+    step_s: float = 0.0  # fetch + forward/backward + update, this rank
+    wait_s: float = 0.0  # of which blocked on data
+    first_batch_wait_s: float = 0.0
+    first_step_s: float = 0.0
+    eval_s: float = 0.0
+    checkpoint_s: float = 0.0
+    checkpoints: int = 0
+    export_s: float = 0.0
+
+    def add(self, s: StepStats) -> None:
+        self.steps += 1
+        self.tokens += s.tokens
+        self.rows += s.rows
+        self.step_s += s.step_time_s
+        self.wait_s += s.data_wait_s
+
+    def packing_efficiency(self, sequence_len: int) -> float | None:
+        return self.tokens / (self.rows * sequence_len) if self.rows else None
+
+    def breakdown(self, clock: Clock) -> dict[str, float]:
+        """Where the wall time went, seconds; the parts add up to ``total`` (``other`` is the rest)."""
+        parts = {
+            "start_workers": clock.marks.get("workers", 0.0),  # Ray start, trainer controller, worker group
+            "start_engine": clock.between("workers", "engine"),  # process group, model, DeepSpeed init
+            "start_restore_feeder": clock.between("engine", "loop"),  # checkpoint restore, feeder actor
+            "first_batch_wait": self.first_batch_wait_s,  # the stream's start-up: read, tokenize, pack
+            "first_step": self.first_step_s,
+            "steps": self.step_s - self.wait_s - self.first_step_s,  # compute of steps 2..N
+            "data_wait": self.wait_s - self.first_batch_wait_s,  # after the first batch
+            "eval": self.eval_s,
+            "checkpoint": self.checkpoint_s,
+            "export": self.export_s,
+        }
+        total = clock.marks.get("end", clock.now())
+        parts["other"] = total - sum(parts.values())  # logging, reports, loop overhead
+        parts["total"] = total
+        return {k: round(v, 2) for k, v in parts.items()}
+
+
+def steady_step_s(summary: dict[str, Any]) -> float | None:
+    """Mean compute time of steps 2..N (rank 0) from a summary record."""
+    n = summary.get("steps_this_run", 0)
+    return summary["time_s"]["steps"] / (n - 1) if n > 1 else None
+
+
+def data_quality_line(counters: dict[str, int]) -> str:
+    """``skipped 0, truncated 0, dropped 0`` (sums of the ``skipped_*``, ``truncated_samples``, ``dropped_*`` counters)."""
+    skipped = sum(v for k, v in counters.items() if k.startswith("skipped_"))
+    dropped = sum(v for k, v in counters.items() if k.startswith("dropped_"))
+    return (f"skipped {skipped:,} records, truncated {counters.get('truncated_samples', 0):,} samples, "
+            f"dropped {dropped:,} samples")
+
+
+def format_summary(summary: dict[str, Any], extra_time: dict[str, float] | None = None) -> str:
+    """The end-of-run block the job scripts print, from ``<run dir>/summary.json``.
+
+    ``extra_time``: driver-side seconds to show after the worker's breakdown (e.g. the demo answers).
+    """
+    t = summary["time_s"]
+    start = t["start_workers"] + t["start_engine"] + t["start_restore_feeder"]
+
+    def loss(v: float | None) -> str:
+        return "-" if v is None else f"{v:.4f}"
+
+    eff = summary.get("packing_efficiency")
+    steady = steady_step_s(summary)
+    lines = [
+        "=" * 78,
+        f"summary: {summary['step']:,} steps ({summary['steps_this_run']:,} this run), "
+        f"{summary['tokens_this_run']:,} tokens this run, {t['total']:.1f}s to the exported model",
+        f"  time:      start-up {start:.1f}s (Ray + workers {t['start_workers']:.1f}, engine {t['start_engine']:.1f}, "
+        f"restore/feeder {t['start_restore_feeder']:.1f}) | first batch wait {t['first_batch_wait']:.1f}s | "
+        f"first step {t['first_step']:.1f}s",
+        f"             steps {t['steps']:.1f}s" + (f" ({steady:.2f}s/step)" if steady else "")
+        + f" | data wait {t['data_wait']:.1f}s | eval {t['eval']:.1f}s | checkpoint {t['checkpoint']:.1f}s | "
+        f"export {t['export']:.1f}s | other {t['other']:.1f}s"
+        + "".join(f" | {k} {v:.1f}s" for k, v in (extra_time or {}).items()),
+        f"  loss:      train {loss(summary.get('final_loss'))} | eval {loss(summary.get('final_eval_loss'))}",
+        f"  packing:   {100 * eff:.1f}% of row capacity holds tokens" if eff is not None else "  packing:   -",
+    ]
+    if summary.get("data_quality"):
+        lines.append(f"  data:      {data_quality_line(summary['data_quality'])}")
+    lines += [
+        f"  run dir:   {summary['run_dir']}",
+        f"  checkpoint:{' ' if summary.get('checkpoint_path') else ''}{summary.get('checkpoint_path') or ' -'}",
+    ]
+    if summary.get("ledger_path"):
+        lines.append(f"  ledger:    {summary['ledger_path']}")
+    lines.append(f"  metrics:   {summary['metrics_path']}")
+    lines += _load_lines(summary)
+    lines.append("=" * 78)
+    return "\n".join(lines)
+
+
+def _load_lines(summary: dict[str, Any]) -> list[str]:
+    """Where the exported model is and the code that loads it: a full (or merged) model with
+    transformers, an adapter alone with peft on its base (see :mod:`pipelines.train.export`)."""
+    model, adapter = summary.get("model_path"), summary.get("adapter_path")
+    lines = [f"  adapter:   {adapter}"] if adapter else []
+    if model and model != adapter:  # <run dir>/model: full fine-tuning or train.export_merged
+        return lines + [
+            f"  model:     {model}",
+            "  load it:   from transformers import AutoModelForCausalLM, AutoTokenizer",
+            f"             model = AutoModelForCausalLM.from_pretrained({model!r})",
+            f"             tokenizer = AutoTokenizer.from_pretrained({model!r})",
+        ]
+    if adapter:
+        base = summary.get("base_model")
+        return lines + [
+            "  load it:   from peft import PeftModel; from transformers import AutoModelForCausalLM, AutoTokenizer",
+            f"             base = AutoModelForCausalLM.from_pretrained({base!r})" if base else
+            "             base = <the model.init model, as built for training> (or set train.export_merged=true)",
+            f"             model = PeftModel.from_pretrained(base, {adapter!r})",
+            f"             tokenizer = AutoTokenizer.from_pretrained({adapter!r})",
+        ]
+    return lines + ["  model:     - (run.export_model=false)"]
+
+
+def read_summary(run_dir: str, filesystem: Any = None) -> dict[str, Any]:
+    """``<run dir>/summary.json`` (a local path or a URL; ``filesystem``: ``storage_filesystem(cfg)``)."""
+    import pyarrow.fs as pafs
+
+    if filesystem is not None:
+        fs, path = filesystem, run_dir.split("://", 1)[-1]
+    elif "://" in run_dir:
+        fs, path = pafs.FileSystem.from_uri(run_dir)
+    else:
+        fs, path = pafs.LocalFileSystem(), os.path.abspath(run_dir)
+    with fs.open_input_stream(f"{path}/summary.json") as f:
+        return json.loads(f.read().decode("utf-8"))
+
+
+def setup_worker_console(ray_log_level: str) -> None:
+    """Worker-side console hygiene, called first in ``train_loop_per_worker`` (so in every worker process,
+    before its first ``ray.train.report``).
+
+    ``ray_log_level`` (``run.ray_log_level``) goes to the Ray Train logger that ``LoggingConfig`` misses.
+
+    Ray Train V2 logs every ``ray.train.report`` at INFO from every rank ("Reporting training result
+    N: TrainingReport(...)", the whole metrics dict). Ray 2.60 names that module's logger
+    ``logging.getLogger(__file__)`` -- a file path, not ``ray.train.v2._internal.execution.context`` --
+    so it sits outside the ``ray.train`` hierarchy that ``LoggingConfig(log_level=...)`` filters, and
+    its records reach the worker's root console handler. The level is therefore set on that logger
+    object itself (whatever its name). Our own line per log step (rank 0) replaces it.
+
+    DeepSpeed 0.19's ZeRO-1/2 optimizer calls ``torch.distributed.all_gather_into_tensor``, which
+    torch 2.14 deprecates with a ``FutureWarning`` (from torch's c10d_logger.py) on each rank: not
+    ours to fix (a third-party call); this filter names that one message only.
+    """
+    from ray.train.v2._internal.execution import context as train_context
+
+    train_context.logger.setLevel(getattr(logging, ray_log_level))
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)
+
+
+def engine_summary(cfg: Any, te: Any) -> str:
+    """``LlamaForCausalLM, trainable params 1,066,240 of 1,066,240 (100.00%), adapter none, DeepSpeed ZeRO-2,
+    fp32, attention sdpa`` (the parameter counts are taken before DeepSpeed wraps the model, so ZeRO-3's
+    partitioning does not hide them)."""
+    return (f"{type(te.engine.module).__name__}, {te.params.line()}, adapter {te.adapter.type}, "
+            f"DeepSpeed ZeRO-{te.zero_stage}, {'bf16' if cfg.train.bf16 else 'fp32'}, "
+            f"attention {te.attn_implementation}")

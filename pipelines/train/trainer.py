@@ -14,6 +14,7 @@ runtime env; GPU workers use NCCL.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -59,12 +60,32 @@ def _worker_env(use_gpu: bool) -> dict[str, Any] | None:
     return {"env_vars": env} if env else None
 
 
+def _ingest_options(cfg: Config):  # -> ray.data.ExecutionOptions
+    """Execution options for the datasets handed to the trainer (eval, or a given train set).
+
+    Passed explicitly: Ray Train's default (``DataConfig.default_ingest_options``) copies the driver's
+    ``exclude_resources`` through the deprecated setter (a ``RayDeprecationWarning`` on every run) and
+    drops the ``preserve_order`` that ``build_dataset`` set on the dataset for ``data.deterministic``.
+    """
+    from ray.data import DataContext, ExecutionOptions
+
+    ctx = DataContext.get_current().execution_options
+    return ExecutionOptions(resource_limits=ctx.resource_limits, preserve_order=cfg.data.deterministic,
+                            verbose_progress=ctx.verbose_progress)
+
+
 def build_trainer(
     cfg: Config,
     train_dataset: ray.data.Dataset | None = None,
     eval_dataset: ray.data.Dataset | None = None,
+    *,
+    started_at: float | None = None,
 ) -> TorchTrainer:
-    """A ``TorchTrainer`` fed by ``build_dataset(cfg, "train")`` (and ``"eval"``), or by given datasets."""
+    """A ``TorchTrainer`` fed by ``build_dataset(cfg, "train")`` (and ``"eval"``), or by given datasets.
+
+    ``started_at``: ``time.time()`` when the job started (the job scripts pass it); rank 0's start-up
+    lines and the summary count seconds from it. Default: now.
+    """
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -86,6 +107,8 @@ def build_trainer(
     datasets: dict[str, Any] = {} if feed else {"train": train_dataset}
     if eval_dataset is not None:
         datasets["eval"] = eval_dataset
+    for ds in datasets.values():
+        ds.context.enable_progress_bars = cfg.run.progress_bars
     use_gpu = cfg.scaling.use_gpu
     storage_path, storage_filesystem = ray_storage(cfg)
     run_config = ray.train.RunConfig(
@@ -95,11 +118,12 @@ def build_trainer(
         failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
         worker_runtime_env=_worker_env(use_gpu),
-        logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # our own lines, not Ray's per report
+        logging_config=ray.train.LoggingConfig(log_level=cfg.run.ray_log_level),  # rank 0 prints our own lines
     )
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=payload(cfg, fit_id=uuid.uuid4().hex, has_eval=eval_dataset is not None, feed=feed),
+        train_loop_config=payload(cfg, fit_id=uuid.uuid4().hex, has_eval=eval_dataset is not None, feed=feed,
+                                  started_at=time.time() if started_at is None else started_at),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.scaling.num_workers,
@@ -108,4 +132,5 @@ def build_trainer(
         ),
         run_config=run_config,
         datasets=datasets or None,
+        dataset_config=ray.train.DataConfig(execution_options=_ingest_options(cfg)),
     )
