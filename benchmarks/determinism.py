@@ -46,7 +46,8 @@ def main() -> None:
     import ray
 
     data = _data(ROOT / "benchmarks" / ".work", args.copies)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from pipelines.ray_local import init_local
+    init_local(num_cpus=2, include_dashboard=False, log_to_driver=False)
     times: dict[bool, list[float]] = {True: [], False: []}
     tokens = 0
     for _ in range(args.repeats):

@@ -128,7 +128,8 @@ def run_ours(p: dict[str, Any]) -> dict[str, Any]:
     from pipelines.dataset import build_dataset
 
     t0 = time.perf_counter()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from pipelines.ray_local import init_local
+    init_local(num_cpus=2, include_dashboard=False, log_to_driver=False)
     init = time.perf_counter() - t0
     cfg = config_from_dict({
         "model": {"tokenizer": str(GPT2)},

@@ -90,7 +90,8 @@ def main() -> None:
 
     copies, repeats = (4, 1) if args.quick else (20, 3)
     data = _data(Path(args.work), copies)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from pipelines.ray_local import init_local
+    init_local(num_cpus=2, include_dashboard=False, log_to_driver=False)
     cfg = _config(data)
     from pipelines.dataset import build_dataset
 

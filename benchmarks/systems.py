@@ -199,7 +199,8 @@ def sys_ours(p: dict[str, Any]) -> dict[str, Any]:
 
     cfg = _ours_config(p)
     t0 = time.perf_counter()
-    ray.init(address="local", num_cpus=int(p["cpus"]), include_dashboard=False, log_to_driver=False,
+    from pipelines.ray_local import init_local
+    init_local(num_cpus=int(p["cpus"]), include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     init_s = time.perf_counter() - t0
     ctx = ray.data.DataContext.get_current()

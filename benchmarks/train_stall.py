@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg_real = load_config(args.config, [*base, "run.name=build_dataset", *args.overrides])
     cfg_syn = load_config(args.config, [*base, "run.name=synthetic", *args.overrides])
 
-    ray.init(include_dashboard=False, log_to_driver=False)
+    from pipelines.ray_local import init_local
+    init_local(include_dashboard=False, log_to_driver=False)
     real, real_wall = _run(cfg_real)
     tr = cfg_syn.train
     n_rows = args.steps * tr.micro_batch_size * tr.gradient_accumulation_steps * cfg_syn.scaling.num_workers

@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                             "data": {"datasets": [{"path": str(data), "type": "alpaca", "format": "jsonl"}],
                                      "sequence_len": 2048}})
     t0 = time.time()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from pipelines.ray_local import init_local
+    init_local(num_cpus=2, include_dashboard=False, log_to_driver=False)
     t_init = time.time()
     batches = iter(dataset_mod.build_dataset(cfg).iter_batches(batch_size=None))
     next(batches)

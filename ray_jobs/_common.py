@@ -4,7 +4,8 @@ Validation (YAML, keys, types, the DeepSpeed config, resume path) happens before
 config exits with status 2 and a message naming the key, without starting anything.
 
 Ray: inside ``ray job submit`` (or with ``RAY_ADDRESS`` set) the script joins that cluster; otherwise
-``ray.init()`` starts a local instance for the duration of the script.
+a local instance starts for the duration of the script, on 127.0.0.1 (``pipelines.ray_local``; by
+default Ray would advertise the machine's network address).
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ def load_or_exit(config: str, overrides: list[str]) -> Config:
 
 
 def init_ray() -> None:
-    """Join the cluster of ``ray job submit`` / ``RAY_ADDRESS``, or start a local instance."""
+    """Join the cluster of ``ray job submit`` / ``RAY_ADDRESS``, or start a local instance on 127.0.0.1."""
     import ray
+
+    from pipelines.ray_local import init_local, node_addresses
 
     if ray.is_initialized():
         return
@@ -53,7 +56,8 @@ def init_ray() -> None:
         return
     # Local instance: its worker processes need to import `pipelines` from this checkout.
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    ray.init(runtime_env={"env_vars": {"PYTHONPATH": path}})
+    init_local(runtime_env={"env_vars": {"PYTHONPATH": path}})
+    print(f"ray: local instance on {', '.join(node_addresses())} (set RAY_ADDRESS to join a cluster)")
 
 
 def main(argv: list[str] | None, default_config: Path, description: str) -> int:

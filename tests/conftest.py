@@ -1,4 +1,11 @@
-"""Shared fixtures: the real data in ../shared/data, one Ray instance per test module, config helpers."""
+"""Shared fixtures: the real data in ../shared/data, one Ray instance for the whole run, config helpers.
+
+Ray: ``ray_local`` starts one local instance on 127.0.0.1 for the whole pytest session (``ray.init``
+costs ~5 s, and every Ray Train fit in it reuses the same GCS and raylet). Tests that need a Ray of
+their own (custom node resources, a ``ray start`` head, the job scripts' own start-up) run it in a
+child process with :data:`RAY_LOCAL_INIT` or the scripts' ``init_ray``; nothing in this process may
+call ``ray.shutdown()`` or ``ray.init()`` with other arguments.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,10 @@ import os
 from pathlib import Path
 
 import pytest
+
+# Every Ray the tests start, here or in a child process (job scripts, `ray start`, notebooks), stays on
+# 127.0.0.1: Ray's single-machine mode, see pipelines/ray_local.py. Set before anything imports ray.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("PIPELINES_SHARED_DATA", ROOT.parent / "shared" / "data"))
@@ -23,13 +34,23 @@ needs_shared = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    """One local Ray instance for a test module (ray.init costs ~5 s)."""
+# Keyword arguments of every local Ray the tests start (``pipelines.ray_local.init_local``: on 127.0.0.1).
+RAY_LOCAL_INIT = {"num_cpus": 2, "include_dashboard": False, "log_to_driver": False}
+
+
+@pytest.fixture(scope="session")
+def ray_local(s3_env):  # noqa: F811 (the fixture imported below)
+    """One local Ray instance on 127.0.0.1 for the whole pytest run.
+
+    Started after ``s3_env`` has put the fake S3 credentials in the environment, so its workers have
+    them (Ray workers inherit the environment of the ``ray.init`` that started their raylet).
+    """
     import ray
 
+    from pipelines.ray_local import init_local
+
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        init_local(**RAY_LOCAL_INIT)
     yield ray
     ray.shutdown()
 
@@ -58,4 +79,4 @@ def write_jsonl(path: Path, records: list) -> Path:
 
 
 # A real S3 endpoint on loopback (moto_server), session-scoped; see tests/conftest_s3.py.
-from conftest_s3 import moto_s3  # noqa: E402, F401
+from conftest_s3 import moto_s3, s3_env  # noqa: E402, F401

@@ -1,4 +1,4 @@
-"""No credentials anywhere a run writes or prints; tokenizer actors placed by a custom Ray resource."""
+"""No credentials anywhere a run writes or prints; Ray on loopback; tokenizer actors placed by a custom resource."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from pipelines.ray_local import SINGLE_MACHINE_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = {
     "AWS_ACCESS_KEY_ID": "AKIAFAKEPIPELINESTEST1",
@@ -18,13 +20,16 @@ FAKE = {
 
 
 @pytest.mark.timeout(900)
-def test_no_credentials_in_anything_a_job_writes_or_prints(tmp_path):
+def test_default_job_on_loopback_and_no_credentials_in_anything_it_writes_or_prints(tmp_path):
     env = {**os.environ, **FAKE, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
+    env.pop(SINGLE_MACHINE_ENV, None)  # the job must keep its Ray on loopback by itself
     cmd = [sys.executable, "ray_jobs/sft.py", "train.max_steps=4", "train.log_every_steps=2",
            "train.checkpoint_every_steps=2", f"run.storage_path={tmp_path}", "run.name=secrets"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=800)
     printed = proc.stdout + proc.stderr
     assert proc.returncode == 0, printed[-3000:]
+    # The default job's local Ray advertises loopback only (the GCS's view of its node, read by the job).
+    assert "ray: local instance on 127.0.0.1 (" in proc.stdout, printed[-3000:]
     files = [p for p in (tmp_path / "secrets").rglob("*") if p.is_file()]
     assert any(p.name == "trainer_state.json" for p in files) and any(p.name == "metrics.jsonl" for p in files)
     assert any(p.parent.name == "model" for p in files)  # the export was written too
@@ -41,10 +46,11 @@ PLACEMENT_CHILD = """
 import sys, threading
 sys.path.insert(0, sys.argv[1])
 import ray
-from conftest import ALPACA, make_config
+from conftest import ALPACA, RAY_LOCAL_INIT, make_config
 from pipelines.dataset import build_dataset
+from pipelines.ray_local import init_local
 
-ray.init(num_cpus=2, resources={"cpu_node": 1}, include_dashboard=False, log_to_driver=False)
+init_local(**RAY_LOCAL_INIT, resources={"cpu_node": 1})
 cfg = make_config([{"path": str(ALPACA), "type": "alpaca"}],
                   tokenize={"num_actors": 1, "num_cpus": 0.5, "resources": {"cpu_node": 1}})
 print("PLACED_ROWS", len(build_dataset(cfg).take_all()), flush=True)
@@ -78,3 +84,21 @@ def test_tokenizer_actors_run_only_where_the_resource_is():
     assert rows and rows[0] > 0, out[-3000:]  # runs where the resource is
     # Asking for a resource no node has leaves the actor unschedulable instead of running elsewhere.
     assert "UNPLACED_BLOCKED True" in proc.stdout, "a tokenizer ran without the resource it was pinned to"
+
+
+def test_shared_test_ray_is_on_loopback(ray_local):
+    """The session's shared Ray (conftest.py) advertises 127.0.0.1 and listens on nothing else."""
+    import psutil
+
+    from pipelines.ray_local import node_addresses
+
+    assert node_addresses() == ["127.0.0.1"]
+    assert ray_local.get(ray_local.remote(lambda: ray_local.util.get_node_ip_address()).remote()) == "127.0.0.1"
+    listening = set()  # (process, address) of every listening socket of Ray's processes (our children)
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            listening |= {(proc.name(), c.laddr.ip) for c in proc.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+        except psutil.NoSuchProcess:
+            continue
+    assert any(name.startswith("gcs_server") for name, _ in listening) and any(n == "raylet" for n, _ in listening)
+    assert {ip for _, ip in listening} <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, sorted(listening)
