@@ -1,8 +1,8 @@
 """A real S3 endpoint on loopback for tests: ``moto_server`` in a child process, and a fault proxy.
 
 Nothing is mocked: pyarrow, mosaic's boto3 client and Ray's workers talk HTTP to 127.0.0.1 on a
-random free port. ``moto_s3`` (session-scoped, registered by conftest.py) starts the server once,
-sets fake credentials in the environment (before any module's ``ray.init``, so workers inherit
+port the OS picks (servers bind port 0 and read it back). ``moto_s3`` (session-scoped, registered by conftest.py) starts the server once,
+sets fake credentials in the environment (``s3_env``, before the shared ``ray.init``, so workers inherit
 them) and stops it at the end::
 
     def test_x(moto_s3):
@@ -20,9 +20,11 @@ from __future__ import annotations
 import contextlib
 import http.client
 import os
+import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,30 +44,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+def _port_from_log(log: Path, proc: subprocess.Popen, timeout: float = 30.0) -> int:
+    """The port a server started with port 0 reports (werkzeug: ``Running on http://127.0.0.1:PORT``)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        found = re.search(r"Running on http://127\.0\.0\.1:(\d+)", log.read_text(errors="replace"))
+        if found:
+            port = int(found.group(1))
+            socket.create_connection(("127.0.0.1", port), 5).close()
+            return port
         if proc.poll() is not None:
-            raise RuntimeError(f"moto_server exited with {proc.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"moto_server did not listen on 127.0.0.1:{port} within {timeout}s")
+            raise RuntimeError(f"moto_server exited with {proc.returncode}: {log.read_text(errors='replace')[-2000:]}")
+        time.sleep(0.1)
+    raise RuntimeError(f"moto_server did not report its port within {timeout}s")
 
 
 class MotoServer:
     """``moto_server`` on 127.0.0.1:<free port>; ``env`` adds variables (e.g. to enforce auth)."""
 
     def __init__(self, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
         exe = Path(sys.executable).with_name("moto_server")
         cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "moto.server"]
-        self.proc = subprocess.Popen([*cmd, "-H", "127.0.0.1", "-p", str(self.port)], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
-        _wait_listening(self.port, self.proc)
+        self.log = tempfile.NamedTemporaryFile(prefix="moto_server.", suffix=".log", delete=False)  # noqa: SIM115
+        # Port 0: the OS picks a free port when the server binds, and the server's log says which.
+        self.proc = subprocess.Popen([*cmd, "-H", "127.0.0.1", "-p", "0"], stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        self.port = _port_from_log(Path(self.log.name), self.proc)
+        self.endpoint = f"http://127.0.0.1:{self.port}"
 
     def fs(self):
         """A pyarrow S3 filesystem on this server, allowed to create buckets (test setup only)."""
@@ -91,12 +96,18 @@ class MotoServer:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+        os.unlink(self.log.name)
 
 
 @pytest.fixture(scope="session")
-def moto_s3():
-    """A session-wide moto S3 server with fake credentials in the environment (Ray workers inherit them)."""
-    server = MotoServer()
+def s3_env():
+    """Fake S3 credentials in the environment for the whole run (no real credentials ever reach a test).
+
+    Session-wide and requested by ``ray_local`` too, so they are in place before the shared Ray starts
+    and its workers inherit them, whichever test starts Ray first.
+    """
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("AWS_ACCESS_KEY_ID", FAKE_KEY_ID)
         mp.setenv("AWS_SECRET_ACCESS_KEY", FAKE_SECRET)
@@ -105,7 +116,14 @@ def moto_s3():
         mp.delenv("AWS_PROFILE", raising=False)
         mp.delenv("AWS_ENDPOINT_URL", raising=False)
         mp.delenv("AWS_ENDPOINT_URL_S3", raising=False)
-        yield server
+        yield
+
+
+@pytest.fixture(scope="session")
+def moto_s3(s3_env):
+    """A session-wide moto S3 server on loopback, with fake credentials in the environment."""
+    server = MotoServer()
+    yield server
     server.stop()
 
 
@@ -131,8 +149,7 @@ class FaultProxy:
 
     def __init__(self, upstream_port: int, plan: FaultPlan | None = None) -> None:
         self.upstream_port, self.plan = upstream_port, plan or FaultPlan()
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.port = 0  # the first listener binds port 0; its port is read back and reused after an outage
         self.lock = threading.Lock()
         self.shard_gets = 0
         self.injected = {"slow_down": 0, "cut": 0, "outage": 0}
@@ -140,6 +157,7 @@ class FaultProxy:
         self._outage_done = False
         self._conns: set[socket.socket] = set()
         self._start()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
 
     # -- server lifecycle -------------------------------------------------------------------
     def _start(self) -> None:
@@ -149,6 +167,7 @@ class FaultProxy:
             owner = proxy
 
         self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.port = self.server.server_address[1]
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
