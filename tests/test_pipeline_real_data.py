@@ -139,13 +139,19 @@ def test_sharegpt_chat_template_assistant_turns_exactly(ray_local):
             expected = "".join(t["value"] + "<|im_end|>" for t in conv
                                if role_map[t["from"]] == "assistant" and t["value"].strip())
             assert _trained_text(tok, labels) == expected
-            assert tok.decode(ids).startswith("<|im_start|>system\n")
+            text = tok.decode(ids)
+            assert text.startswith("<|im_start|>system\n")
+            # SmolLM2's template ignores tools=: their schemas are in a system turn, every one of them.
+            tools = json.loads(records[split_sample_id(sid)[1]].get("tools") or "[]")
+            assert all(json.dumps(t, ensure_ascii=False) in text for t in tools) and ("<tools>" in text) == bool(tools)
     # One conversation (row 243, 11,622 tokens) has no assistant token in its first 2048: it is
     # dropped and reported with its location, never trained on as prompt-only.
     report = data_report(ds)
     dropped = report["counters"]["dropped_no_trained_after_truncation"]
     assert dropped == 1 and f"{GLAIVE} row 243" in report["examples"]["dropped_no_trained_after_truncation"][0]
     assert len(seen) == len(records) - dropped and set(seen.values()) == {1}
+    with_tools = sum(1 for r in records if json.loads(r.get("tools") or "[]"))
+    assert 0 < report["counters"]["tools_in_system_turn"] == with_tools < len(records)
 
 
 def _doc_tokens(tok, texts: list[str]) -> list[list[int]]:
