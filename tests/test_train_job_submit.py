@@ -4,8 +4,9 @@ The head runs in the foreground (``ray start --block``) as a child of the test, 
 ``--temp-dir``; every Ray process it starts is a descendant of that one process. It is stopped by
 terminating exactly those processes, by pid (never ``ray stop``, which ends *every* Ray process on
 the machine, other people's included, nor by matching names or command lines). Its servers bind
-port 0 where Ray lets them (GCS, dashboard, node and object managers, agents) and the test reads the
-dashboard's address back from Ray instead of probing for a free port and hoping it stays free.
+port 0 where Ray lets them (GCS, dashboard, node and object managers, agents; not its client server,
+which must be given a port) and the test reads the dashboard's address back from Ray instead of
+probing for a free port and hoping it stays free.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import contextlib
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +27,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = str(Path(sys.executable).parent)
+
+
+def _free_port() -> int:
+    """Only for Ray's client server, the one port ``ray start`` refuses as 0 (RayParams wants 1024-65535)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
@@ -69,7 +78,7 @@ def ray_head(tmp_path):
     cmd = [
         f"{VENV_BIN}/ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
         "--port=0", "--dashboard-port=0", "--num-cpus=2", f"--temp-dir={temp_dir}", "--include-dashboard=true",
-        "--ray-client-server-port=0", "--dashboard-agent-listen-port=0", "--dashboard-agent-grpc-port=0",
+        f"--ray-client-server-port={_free_port()}", "--dashboard-agent-listen-port=0", "--dashboard-agent-grpc-port=0",
         "--metrics-export-port=0", "--runtime-env-agent-port=0", "--node-manager-port=0", "--object-manager-port=0",
     ]
     log = tmp_path / "ray_start.log"
