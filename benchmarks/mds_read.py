@@ -12,9 +12,14 @@ process (``--child NAME``) so imports, ``ray.init`` and memory never leak betwee
   2048 tokens) iterated to the end; Ray start-up is reported separately (``init_s``).
 * ``mosaic_local`` / ``mosaic_s3``: ``StreamingDataset`` + ``DataLoader(num_workers=2)``, each sample
   formatted with the same alpaca template and tokenized in ``__getitem__`` (no label masks: less
-  work than ours), concatenated into 2048-token rows in the main process.
-* ``convert``: ``ray_jobs/convert.py`` (raw mode, 2 write tasks) JSONL -> MDS, vs ``mdswriter``: a
-  plain loop reading the same JSONL and calling ``MDSWriter.write``.
+  work than ours), concatenated into 2048-token rows in the main process. Local shards are read in
+  place (``local=`` only); the tokenizer and the dataset object are made before the clock starts.
+* ``*_tok_*``: the same, on pre-tokenized MDS in llm-foundry's concatenated-tokens layout (one
+  ``tokens: ndarray:int32`` column of 2048-token samples, made here before any clock): nobody tokenizes.
+* ``convert``: ``ray_jobs/convert.py --tokenize`` (2 write tasks) JSONL -> tokenized MDS, vs
+  ``tokenize_loop``: one process reading the same JSONL, formatting each record with the same
+  template, tokenizing in batches of 1,000 (the fast tokenizer, 2 threads, loaded before the clock)
+  and writing ``input_ids`` with ``MDSWriter`` (no label masks: less work than ours).
 
 Ratios > 1 mean ours is faster. Every system sees the same cores.
 """
@@ -85,6 +90,45 @@ def prepare(work: Path, target_mb: float, shard_bytes: int, files: int) -> dict[
             "zstd_mb": zipped / 1e6, "jsonl_files": files}
 
 
+def _alpaca_texts(rows: list[dict[str, Any]]) -> list[str]:
+    from pipelines.config import DataConfig, DatasetConfig
+    from pipelines.formats import make_formatter
+
+    ds = DatasetConfig(path="x", type="alpaca")
+    fmt = make_formatter(ds, DataConfig(datasets=[ds]), None)
+    return [fmt({k: v for k, v in r.items() if v is not None}).text for r in rows]
+
+
+def prepare_tokens(work: Path, shard_bytes: int) -> dict[str, Any]:
+    """llm-foundry's concatenated-tokens MDS of the same records: GPT-2 ids (+ EOS per document),
+    concatenated and cut into SEQ_LEN-token samples (``tokens: ndarray:int32``)."""
+    import numpy as np
+    from streaming import MDSWriter
+    from tokenizers import Tokenizer
+
+    sys.path.insert(0, str(ROOT))
+    tok = Tokenizer.from_file(str(GPT2 / "tokenizer.json"))
+    tok.no_truncation()
+    eos = tok.token_to_id("<|endoftext|>")
+    out = work / "mds_tokens"
+    shutil.rmtree(out, ignore_errors=True)
+    samples, buf = 0, np.zeros(0, np.int32)
+    with MDSWriter(out=str(out), columns={"tokens": "ndarray:int32"}, compression="zstd", hashes=["xxh64"],
+                   size_limit=shard_bytes) as w:
+        for path in sorted((work / "jsonl").glob("*.jsonl")):
+            rows = [json.loads(line) for line in path.read_text().splitlines()]
+            ids = [np.asarray(e.ids + [eos], np.int32) for e in tok.encode_batch(_alpaca_texts(rows))]
+            buf = np.concatenate([buf, *ids])
+            k = len(buf) // SEQ_LEN
+            for i in range(k):
+                w.write({"tokens": buf[i * SEQ_LEN : (i + 1) * SEQ_LEN]})
+            samples, buf = samples + k, buf[k * SEQ_LEN :]
+        if len(buf):
+            w.write({"tokens": buf})
+            samples += 1
+    return {"token_samples": samples}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -133,7 +177,8 @@ def run_ours(p: dict[str, Any]) -> dict[str, Any]:
     init = time.perf_counter() - t0
     cfg = config_from_dict({
         "model": {"tokenizer": str(GPT2)},
-        "data": {"datasets": [{"path": p["path"], "format": "mds", "type": "alpaca"}], "sequence_len": SEQ_LEN,
+        "data": {"datasets": [{"path": p["path"], "format": "mds", "type": "completion" if p.get("tokens") else "alpaca"}],
+                 "sequence_len": SEQ_LEN,
                  "packing": "concat", "read_tasks": 2, "tokenize": {"num_actors": 2, "num_cpus": 0.75}},
         "storage": {"endpoint_url": p.get("endpoint"), "retries": 5},
     })
@@ -152,7 +197,7 @@ def run_ours(p: dict[str, Any]) -> dict[str, Any]:
 class _TokenizingDataset:
     """mosaic's StreamingDataset, formatting and tokenizing each sample in ``__getitem__``."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, tokens: bool = False, **kwargs: Any) -> None:
         from streaming import StreamingDataset
         from transformers import AutoTokenizer
 
@@ -160,6 +205,7 @@ class _TokenizingDataset:
         from pipelines.formats import make_formatter
 
         self.inner = StreamingDataset(**kwargs)
+        self.tokens = tokens
         self.tok = AutoTokenizer.from_pretrained(str(GPT2))
         ds = DatasetConfig(path="x", type="alpaca")
         self.fmt = make_formatter(ds, DataConfig(datasets=[ds]), self.tok)
@@ -167,8 +213,10 @@ class _TokenizingDataset:
     def __len__(self) -> int:
         return len(self.inner)
 
-    def __getitem__(self, idx: int) -> list[int]:
+    def __getitem__(self, idx: int) -> Any:
         sample = self.inner[idx]
+        if self.tokens:  # llm-foundry's concat-tokens layout: already ids
+            return sample["tokens"]
         f = self.fmt({k: v for k, v in sample.items() if v is not None})
         return self.tok(f.text, add_special_tokens=True)["input_ids"] + [self.tok.eos_token_id]
 
@@ -184,8 +232,8 @@ def run_mosaic(p: dict[str, Any]) -> dict[str, Any]:
     if p.get("remote"):
         os.environ["S3_ENDPOINT_URL"] = p["endpoint"]
         kwargs["remote"] = p["remote"]
+    ds = _TokenizingDataset(tokens=bool(p.get("tokens")), **kwargs)  # tokenizer loaded before the clock
     t = time.perf_counter()
-    ds = _TokenizingDataset(**kwargs)
     loader = DataLoader(ds, batch_size=64, num_workers=2, collate_fn=list, persistent_workers=False)
     rows = tokens = 0
     first = None
@@ -208,10 +256,13 @@ def run_mosaic(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_convert(p: dict[str, Any]) -> dict[str, Any]:
+    config = Path(p["out"]).with_name("convert-config.yaml")
+    config.write_text(json.dumps({"model": {"tokenizer": str(GPT2)}, "data": {
+        "datasets": [{"path": p["jsonl"], "format": "jsonl", "type": "alpaca"}], "sequence_len": SEQ_LEN}}))
     t = time.perf_counter()
-    out = subprocess.run([sys.executable, str(ROOT / "ray_jobs" / "convert.py"), "--input", p["jsonl"], "--output",
-                          p["out"], "--write-tasks", "2", "--size-limit", str(p["shard_bytes"]), "--hashes", "xxh64"],
-                         capture_output=True, text=True, env={**os.environ, "RAY_ADDRESS": ""})
+    out = subprocess.run([sys.executable, str(ROOT / "ray_jobs" / "convert.py"), "--tokenize", "--config", str(config),
+                          "--output", p["out"], "--write-tasks", "2", "--size-limit", str(p["shard_bytes"]),
+                          "--hashes", "xxh64"], capture_output=True, text=True, env={**os.environ, "RAY_ADDRESS": ""})
     wall = time.perf_counter() - t
     if out.returncode:
         raise RuntimeError(out.stderr[-2000:])
@@ -220,22 +271,33 @@ def run_convert(p: dict[str, Any]) -> dict[str, Any]:
     return {"total_s": result["seconds"], "wall_s": wall, "rows": result["rows"], "shards": result["shards"]}
 
 
-def run_mdswriter(p: dict[str, Any]) -> dict[str, Any]:
+def run_tokenize_loop(p: dict[str, Any]) -> dict[str, Any]:
+    """The plain single-process peer of ``convert.py --tokenize``: format, tokenize in batches, MDSWriter."""
+    import numpy as np
     from streaming import MDSWriter
+    from tokenizers import Tokenizer
 
+    sys.path.insert(0, str(ROOT))
+    os.environ["RAYON_NUM_THREADS"] = "2"
+    tok = Tokenizer.from_file(str(GPT2 / "tokenizer.json"))  # before the clock
+    tok.no_truncation()
+    eos = tok.token_to_id("<|endoftext|>")
+    _alpaca_texts([{"instruction": "warm up", "input": "", "output": "x"}])
     t = time.perf_counter()
     rows = 0
-    with MDSWriter(out=p["out"], columns=COLUMNS, compression="zstd", hashes=["xxh64"],
+    with MDSWriter(out=p["out"], columns={"input_ids": "ndarray:int32"}, compression="zstd", hashes=["xxh64"],
                    size_limit=p["shard_bytes"]) as w:
         for path in sorted(Path(p["jsonl"]).glob("*.jsonl")):
             with open(path, encoding="utf-8") as f:
-                for line in f:
-                    w.write(json.loads(line))
+                recs = [json.loads(line) for line in f]
+            for b in range(0, len(recs), 1000):
+                for enc in tok.encode_batch(_alpaca_texts(recs[b : b + 1000])):
+                    w.write({"input_ids": np.asarray(enc.ids + [eos], np.int32)})
                     rows += 1
     return {"total_s": time.perf_counter() - t, "rows": rows}
 
 
-SYSTEMS = {"ours": run_ours, "mosaic": run_mosaic, "convert": run_convert, "mdswriter": run_mdswriter}
+SYSTEMS = {"ours": run_ours, "mosaic": run_mosaic, "convert": run_convert, "tokenize_loop": run_tokenize_loop}
 
 
 def child(name: str, params: dict[str, Any], repeats: int = 1) -> dict[str, Any]:
@@ -278,27 +340,39 @@ def main(argv: list[str] | None = None) -> int:
     reps = args.repeats or (1 if args.quick else 3)
     work = Path(args.work)
     data = prepare(work, mb, shard_bytes, files)
+    data.update(prepare_tokens(work, shard_bytes))
     print(f"data: {data['samples']} samples ({data['copies']} copies of Alpaca+LIMA), {data['raw_mb']:.1f} MB "
           f"uncompressed, {data['zstd_mb']:.1f} MB zstd in {data['shards']} shards; {files} JSONL files", flush=True)
     moto, endpoint = start_moto()
     try:
         remote = upload(work / "mds", endpoint, f"{BUCKET}/mds")
+        remote_tok = upload(work / "mds_tokens", endpoint, f"{BUCKET}/mds_tokens")
         results = {
             "ours_local": child("ours", {"path": str(work / "mds")}, reps),
             "mosaic_local": child("mosaic", {"local": str(work / "mds")}, reps),
             "ours_s3": child("ours", {"path": remote, "endpoint": endpoint}, reps),
             "mosaic_s3": child("mosaic", {"local": str(work / "cache-s3"), "remote": remote, "endpoint": endpoint}, reps),
+            "ours_tok_local": child("ours", {"path": str(work / "mds_tokens"), "tokens": True}, reps),
+            "mosaic_tok_local": child("mosaic", {"local": str(work / "mds_tokens"), "tokens": True}, reps),
+            "ours_tok_s3": child("ours", {"path": remote_tok, "endpoint": endpoint, "tokens": True}, reps),
+            "mosaic_tok_s3": child("mosaic", {"local": str(work / "cache-tok-s3"), "remote": remote_tok,
+                                              "endpoint": endpoint, "tokens": True}, reps),
             "convert": child("convert", {"jsonl": str(work / "jsonl"), "out": str(work / "converted"),
                                          "shard_bytes": shard_bytes}, reps),
-            "mdswriter": child("mdswriter", {"jsonl": str(work / "jsonl"), "out": str(work / "mdswriter"),
-                                             "shard_bytes": shard_bytes}, reps),
+            "tokenize_loop": child("tokenize_loop", {"jsonl": str(work / "jsonl"), "out": str(work / "tokenize_loop"),
+                                                     "shard_bytes": shard_bytes}, reps),
         }
     finally:
         moto.terminate()
         moto.wait(10)
     labels = {"ours_local": "build_dataset, local MDS", "mosaic_local": "mosaic StreamingDataset+DataLoader(2), local",
               "ours_s3": "build_dataset, MDS on S3 (moto)", "mosaic_s3": "mosaic StreamingDataset+DataLoader(2), S3 (moto)",
-              "convert": "ray_jobs/convert.py JSONL -> MDS (2 tasks)", "mdswriter": "MDSWriter loop JSONL -> MDS"}
+              "ours_tok_local": "build_dataset, pre-tokenized MDS, local",
+              "mosaic_tok_local": "mosaic StreamingDataset+DataLoader(2), pre-tokenized, local",
+              "ours_tok_s3": "build_dataset, pre-tokenized MDS on S3 (moto)",
+              "mosaic_tok_s3": "mosaic StreamingDataset+DataLoader(2), pre-tokenized, S3 (moto)",
+              "convert": "ray_jobs/convert.py --tokenize JSONL -> MDS (2 tasks)",
+              "tokenize_loop": "one process: tokenize + MDSWriter loop JSONL -> MDS"}
     print(f"\nmedian of {reps} run(s) per system, each in a fresh process")
     print("\n| system | total s | first batch s | start-up s | rows | tokens | Mtok/s | runs (total s) |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
@@ -309,17 +383,18 @@ def main(argv: list[str] | None = None) -> int:
               f" | {startup:.2f} | {r['rows']} | {tokens or ''} | " +
               (f"{tokens / r['total_s'] / 1e6:.3f}" if tokens else "") + f" | {r['runs_s']} |")
     summary: dict[str, Any] = {"data": data, "repeats": reps}
-    for where in ("local", "s3"):
+    for where in ("local", "s3", "tok_local", "tok_s3"):
         a, b = results[f"ours_{where}"], results[f"mosaic_{where}"]
         ratio = (a["tokens"] / a["total_s"]) / (b["tokens"] / b["total_s"])
         same = a["tokens"] == b["tokens"]
         summary[f"read_{where}_ratio"] = round(ratio, 3)
-        print(f"read {where:<5}: build_dataset / mosaic loader = {ratio:.2f}x tokens/s "
+        print(f"read {where:<9}: build_dataset / mosaic loader = {ratio:.2f}x tokens/s "
               f"({'same' if same else 'DIFFERENT'} token count: {a['tokens']} vs {b['tokens']})")
-    conv = results["mdswriter"]["total_s"] / results["convert"]["total_s"]
-    conv_wall = results["mdswriter"]["total_s"] / results["convert"]["wall_s"]
+    conv = results["tokenize_loop"]["total_s"] / results["convert"]["total_s"]
+    conv_wall = results["tokenize_loop"]["total_s"] / results["convert"]["wall_s"]
     summary.update(convert_ratio=round(conv, 3), convert_ratio_with_startup=round(conv_wall, 3))
-    print(f"convert: convert.py / MDSWriter loop = {conv:.2f}x rows/s ({conv_wall:.2f}x counting Ray start-up)")
+    print(f"convert: convert.py --tokenize / tokenize + MDSWriter loop = {conv:.2f}x rows/s "
+          f"({conv_wall:.2f}x counting Ray start-up)")
     print("RESULT " + json.dumps(summary))
     return 0
 

@@ -97,6 +97,8 @@ def split_samples(rows_sample_ids: list[np.ndarray]) -> int:
 
 def measure(s: Any, seq: int) -> list[dict[str, Any]]:
     """One row per strategy for one tokenized data set at one sequence length."""
+    from pipelines.stats import packing_efficiency
+
     n = len(s.ids)
     out = []
     for strategy in STRATEGIES:
@@ -116,7 +118,7 @@ def measure(s: Any, seq: int) -> list[dict[str, Any]]:
         dropped = c.get("dropped_oversize", 0) + c.get("dropped_no_trained_after_truncation", 0)
         out.append({
             "strategy": strategy, "sequence_len": seq, "samples": n, "rows": rows,
-            "efficiency": float(row_lens.sum()) / (rows * seq) if rows else None,
+            "efficiency": packing_efficiency(row_lens.sum(), rows * seq),
             "truncated_share": c.get("truncated_samples", 0) / n, "dropped_share": dropped / n,
             "split_share": split / n, "samples_per_row": n / rows if rows else None,
             "seconds": time.perf_counter() - t0, "row_lengths": row_lens.tolist(),

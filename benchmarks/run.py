@@ -560,8 +560,12 @@ def target_rows(ctx: dict[str, Any]) -> list[list[str]]:
     rows += _ratio_rows(res.get("B6") or {}, "B6", [
         ("read_local_ratio", "MDS read, local disk >= 1.0x mosaic StreamingDataset (tokens/s)", 1.0, True),
         ("read_s3_ratio", "MDS read, loopback S3 >= 1.0x mosaic StreamingDataset (tokens/s)", 1.0, True),
-        ("convert_ratio", "convert.py JSONL -> MDS >= 1.5x a plain MDSWriter loop (rows/s, after Ray start-up)", 1.5,
-         True)])
+        ("read_tok_local_ratio", "pre-tokenized MDS read, local disk >= 1.0x mosaic StreamingDataset (tokens/s)", 1.0,
+         True),
+        ("read_tok_s3_ratio", "pre-tokenized MDS read, loopback S3 >= 1.0x mosaic StreamingDataset (tokens/s)", 1.0,
+         True),
+        ("convert_ratio", "convert.py --tokenize >= 1.0x a plain tokenize + MDSWriter loop (rows/s, after Ray start-up)",
+         1.0, True)])
     rows += _ratio_rows(res.get("B7") or {}, "B7", [("ratio_90_10", "resume at 90% <= 1.2x at 10%", 1.2, False)])
     return rows
 

@@ -367,9 +367,12 @@ def sys_prep_mds(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def sys_mosaic(p: dict[str, Any]) -> dict[str, Any]:
-    """mosaic ``StreamingDataset`` over local MDS shards + ``DataLoader(num_workers=N)``, tokenizing in ``__getitem__``."""
-    import tempfile
+    """mosaic ``StreamingDataset`` over local MDS shards + ``DataLoader(num_workers=N)``, tokenizing in ``__getitem__``.
 
+    Set up as its best user would: the shards are read in place (``local=``, no ``remote``: nothing is
+    copied into a cache inside the clock) and the tokenizer is loaded before the clock starts (the
+    DataLoader's forked workers inherit it).
+    """
     import torch
     from streaming import StreamingDataset
     from streaming.base.util import clean_stale_shared_memory
@@ -379,23 +382,19 @@ def sys_mosaic(p: dict[str, Any]) -> dict[str, Any]:
     bs = int(p.get("batch_size", 64))
 
     class Tokenized(StreamingDataset):
-        tok = None
+        tok = load_hf_tokenizer(tok_path)  # before the clock, as for every peer
 
         def __getitem__(self, idx: int) -> list[int]:
-            if Tokenized.tok is None:
-                Tokenized.tok = load_hf_tokenizer(tok_path)
             rec = super().__getitem__(idx)
             return Tokenized.tok(alpaca_text(rec, Tokenized.tok.eos_token))["input_ids"]
 
     clock = Clock()
-    with tempfile.TemporaryDirectory(dir=p.get("tmp")) as local:
-        ds = Tokenized(remote=p["mds"], local=local, shuffle=False, batch_size=bs)
-        dl = torch.utils.data.DataLoader(ds, batch_size=bs, num_workers=int(p.get("num_workers", 2)),
-                                         collate_fn=lambda b: b)
-        for batch in dl:
-            clock.batch(sum(len(x) for x in batch), len(batch))
-        res = clock.result()
-    return res
+    ds = Tokenized(local=p["mds"], shuffle=False, batch_size=bs)
+    dl = torch.utils.data.DataLoader(ds, batch_size=bs, num_workers=int(p.get("num_workers", 2)),
+                                     collate_fn=lambda b: b)
+    for batch in dl:
+        clock.batch(sum(len(x) for x in batch), len(batch))
+    return clock.result()
 
 
 # --------------------------------------------------------------------------- LitData
@@ -427,11 +426,9 @@ def sys_litdata(p: dict[str, Any]) -> dict[str, Any]:
     bs = int(p.get("batch_size", 64))
 
     class Tokenized(litdata.StreamingDataset):
-        tok = None
+        tok = load_hf_tokenizer(tok_path)  # before the clock, as for every peer
 
         def __getitem__(self, idx: Any) -> list[int]:
-            if Tokenized.tok is None:
-                Tokenized.tok = load_hf_tokenizer(tok_path)
             rec = super().__getitem__(idx)
             return Tokenized.tok(alpaca_text(rec, Tokenized.tok.eos_token))["input_ids"]
 

@@ -28,7 +28,6 @@ import ray  # noqa: E402
 
 import pipelines.dataset as dataset_mod  # noqa: E402
 from pipelines.config import config_from_dict  # noqa: E402
-from pipelines.tokenize import Tokenizer  # noqa: E402
 
 EVENTS = Path(tempfile.gettempdir()) / f"pipelines-ttfb-{os.getpid()}.jsonl"
 
@@ -39,8 +38,8 @@ def event(name: str, path: str = str(EVENTS)) -> None:
         f.write(json.dumps({"ev": name, "t": time.time(), "pid": os.getpid()}) + "\n")
 
 
-class TimedTokenizer(Tokenizer):
-    """The real tokenizer actor, with its constructor and first call timed."""
+class TimedTokenizeAndPack(dataset_mod.TokenizeAndPack):
+    """The real tokenizer actor (tokenize, then pack), with its constructor and first call timed."""
 
     def __init__(self, *args, **kwargs) -> None:
         event("actor process up (constructor entered)")
@@ -49,28 +48,17 @@ class TimedTokenizer(Tokenizer):
         self._calls = 0
 
     def __call__(self, batch):
-        if self._calls == 0:
-            event("first block arrived at the tokenizer")
-        out = super().__call__(batch)
-        if self._calls == 0:
-            event("first block tokenized")
+        first = self._calls == 0
         self._calls += 1
+        if first:
+            event("first block arrived at the tokenizer")
+        tokenized = self.tokenizer(batch)
+        if first:
+            event("first block tokenized")
+        out = self.packer(tokenized)
+        if first:
+            event("first block packed")
         return out
-
-
-_packed: list[int] = []
-
-
-def timed_pack(batch, packer):
-    """``pipelines.dataset._pack`` with the first call of each worker process timed."""
-    first = not _packed
-    if first:
-        event("first unit at the packer")
-    out = packer(batch)
-    if first:
-        event("first unit packed")
-    _packed.append(1)
-    return out
 
 
 def make_data(work: Path, records_per_file: int, files: int) -> Path:
@@ -87,8 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--files", type=int, default=20)
     args = ap.parse_args(argv)
     data = make_data(Path(tempfile.gettempdir()) / "pipelines-ttfb-data", args.records_per_file, args.files)
-    dataset_mod.Tokenizer = TimedTokenizer  # build_dataset's tokenizer stage picks these up
-    dataset_mod._pack = timed_pack
+    dataset_mod.TokenizeAndPack = TimedTokenizeAndPack  # build_dataset's tokenizer stage picks it up
     EVENTS.unlink(missing_ok=True)
     cfg = config_from_dict({"model": {"tokenizer": str(SHARED / "tokenizers" / "gpt2")},
                             "data": {"datasets": [{"path": str(data), "type": "alpaca", "format": "jsonl"}],

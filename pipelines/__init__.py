@@ -8,16 +8,27 @@ Notebook API::
     result = build_trainer(cfg).fit()
 """
 
-from pipelines.config import Config, ConfigError, load_config
-from pipelines.dataset import build_dataset, data_report
-from pipelines.sources import locate_sample
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
 
-def build_trainer(cfg: Config, **kwargs):
-    """A Ray Train ``TorchTrainer`` for ``cfg`` (see :mod:`pipelines.train.trainer`)."""
-    from pipelines.train.trainer import build_trainer as _build
+if TYPE_CHECKING:
+    from pipelines.config import Config, ConfigError, load_config
+    from pipelines.dataset import build_dataset, data_report
+    from pipelines.sources import locate_sample
+    from pipelines.train.trainer import build_trainer
 
-    return _build(cfg, **kwargs)
-
+# Resolved on first use, so importing one module (e.g. pipelines.train.collate in
+# benchmarks/gpu_check.py, on a GPU box without Ray) does not import Ray through this package.
+_HOMES = {"Config": "pipelines.config", "ConfigError": "pipelines.config", "load_config": "pipelines.config",
+          "build_dataset": "pipelines.dataset", "data_report": "pipelines.dataset",
+          "locate_sample": "pipelines.sources", "build_trainer": "pipelines.train.trainer"}
 
 __all__ = ["Config", "ConfigError", "build_dataset", "build_trainer", "data_report", "load_config", "locate_sample"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name]), name)
+    raise AttributeError(f"module 'pipelines' has no attribute {name!r}")

@@ -249,6 +249,10 @@ class RunConfig(_Strict):
     keep_checkpoints: int = Field(2, gt=0, description="Checkpoints kept in the run directory (CheckpointConfig.num_to_keep).")
     max_failures: int = Field(0, ge=-1, description="Ray Train FailureConfig.max_failures (-1: forever).")
     export_model: bool = Field(True, description="Write a Hugging Face model + tokenizer at the end.")
+    on_data_change: Literal["fail", "restart"] = Field(
+        "fail", description="Resuming after the row stream changed (data, tokenizer, sequence_len, packing, seed, "
+        "mixing): fail names the change before training; restart keeps the weights and restarts the data at the "
+        "start of the current epoch (logged, and marked in the ledger).")
 
 
 class StorageConfig(_Strict):

@@ -1,10 +1,14 @@
 """``build_dataset``: the stages wired into one lazy, streaming ``ray.data.Dataset`` of packed rows.
 
-    read tasks (whole files, seeded order)   ->  tokenizer actors (CPU pool)  ->  packing tasks
-    one block per unit: sample_id, record        sample_id, input_ids, labels     input_ids, labels,
-                                                                                   position_ids, sample_ids
-A *unit* is ``pack_buffer_size`` consecutive records of one file; it is packed on its own, so the
-rows are a function of the data and the config, and a resume point is "file, unit, rows done".
+    read tasks (whole files, seeded order)   ->  tokenizer actors (CPU pool): tokenize, then pack
+    one block per unit, one row per unit:        each unit -> input_ids, labels, position_ids,
+    sample_ids, records (lists)                  sample_ids (+ unit_* columns), one row per packed row
+
+A *unit* is ``pack_buffer_size`` consecutive records of one file (see :mod:`pipelines.units`); it is
+packed on its own, so the rows are a function of the data and the config, and a resume point is
+"file, unit, rows done". A unit is one row until it is packed, so Ray Data can hand each unit on as
+soon as it is read (``READ_BLOCK_BYTES``) without ever cutting one; packing runs in the tokenizer
+actor right after tokenizing, so a unit's tokens never travel between processes unpacked.
 
 Nothing is read until the dataset is iterated: building it lists files (metadata only) and starts
 one tiny counters actor. Memory is bounded by Ray Data's streaming backpressure and the buffer sizes
@@ -15,52 +19,31 @@ from __future__ import annotations
 
 import math
 import os
-import random
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 import ray
 
-from pipelines.config import Config, TokenizeConfig
-from pipelines.datasource import Cursor, ReadOptions, ShardDatasource, read_files
+from pipelines.config import Config, DataConfig, ModelConfig, TokenizeConfig
+from pipelines.datasource import ReadOptions, ShardDatasource, read_files
 from pipelines.packing import Packer, PackOptions
 from pipelines.sources import SourceTable, datasets_for_split, resolve_sources
-from pipelines.stats import StatsSink, format_report, new_stats_actor
+from pipelines.stats import StatsSink, new_stats_actor
 from pipelines.tokenize import Tokenizer
+from pipelines.units import READ_BLOCK_BYTES, Cursor, ResumePoint
+from pipelines.units import ordered_files as _ordered_files
+
+__all__ = ["ResumePoint", "build_dataset", "data_report", "iter_packed_local", "ordered_files"]
 
 # CPUs left for read and packing tasks when sizing the tokenizer pool automatically; a pool that
 # takes every CPU starves the reads and the pipeline hangs.
 CPU_RESERVE_FOR_READS = 0.5
 
 
-def file_order(n_files: int, seed: int, epoch: int = 0) -> list[int]:
-    """Read order of the files in an epoch: a seeded permutation (ids stay tied to sorted order)."""
-    order = list(range(n_files))
-    random.Random(f"{seed}:{epoch}").shuffle(order)
-    return order
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """Where a stream starts: file ``file_pos`` of the epoch's read order, at a unit boundary.
-
-    ``row``/``byte`` locate the unit's first record in that file; ``skip_rows`` of that unit's packed
-    rows were already trained on. Made by :mod:`pipelines.resume` from the rows a run consumed.
-    """
-
-    epoch: int = 0
-    file_pos: int = 0
-    row: int = 0
-    byte: int = -1
-    skip_rows: int = 0
-
-
 def ordered_files(cfg: Config, table: SourceTable, epoch: int, datasets: list[int] | None = None) -> list[int]:
-    """Indices into ``table.files`` in the epoch's read order, optionally only some dataset entries."""
-    chosen = [f.source_index for f in table.files if datasets is None or f.dataset_index in datasets]
-    return [chosen[i] for i in file_order(len(chosen), cfg.data.shuffle_seed, epoch)]
+    """Indices into ``table.files`` in the epoch's read order (see :func:`pipelines.units.ordered_files`)."""
+    return _ordered_files(table, cfg.data.shuffle_seed, epoch, datasets)
 
 
 def unit_size(cfg: Config) -> int:
@@ -101,7 +84,7 @@ def tokenizer_env(threads: int) -> dict[str, str]:
             "USE_TORCH": "0"}
 
 
-def _read_options(cfg: Config, table: SourceTable, split: str) -> ReadOptions:
+def _read_options(cfg: Config, table: SourceTable, split: str, first_unit_source: int = -1) -> ReadOptions:
     return ReadOptions(
         storage=table.storage,
         on_bad_record=cfg.data.on_bad_record,
@@ -109,6 +92,7 @@ def _read_options(cfg: Config, table: SourceTable, split: str) -> ReadOptions:
         eval_fraction=cfg.data.eval_fraction if not cfg.data.eval_datasets else 0.0,
         split=split,
         unit_size=unit_size(cfg),
+        first_unit_source=first_unit_source,
     )
 
 
@@ -120,20 +104,37 @@ def _pack_options(cfg: Config, epoch: int) -> PackOptions:
 def _start(start: ResumePoint | None) -> tuple[int, Cursor | None, int]:
     if start is None:
         return 0, None, 0
-    return start.file_pos, Cursor(start.row, start.byte), start.skip_rows
+    return start.file_pos, start.cursor, start.skip_rows
 
 
-def tokenizer_stage(ds: ray.data.Dataset, cfg: Config, table: SourceTable, sink: StatsSink) -> ray.data.Dataset:
-    """``ds`` (record blocks) through the tokenizer actor pool sized and placed by ``data.tokenize``."""
+class TokenizeAndPack:
+    """The tokenizer actors' callable in :func:`build_dataset`: blocks of whole units -> packed rows."""
+
+    def __init__(self, data: DataConfig, model: ModelConfig, table: SourceTable, sink: StatsSink, threads: int,
+                 pack: PackOptions) -> None:
+        self.tokenizer = Tokenizer(data, model, table, sink, threads)
+        self.packer = Packer(pack, sink, table)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return self.packer(self.tokenizer(batch))
+
+
+def tokenizer_stage(ds: ray.data.Dataset, cfg: Config, table: SourceTable, sink: StatsSink,
+                    pack: PackOptions | None = None) -> ray.data.Dataset:
+    """``ds`` (unit blocks) through the tokenizer actor pool sized and placed by ``data.tokenize``:
+    tokenized records, or with ``pack`` packed rows (:class:`TokenizeAndPack`)."""
     tok = cfg.data.tokenize
     pool = tokenizer_pool_size(tok)
     threads = tokenizer_threads(tok, pool[1])
+    kwargs: dict[str, Any] = {"data": cfg.data, "model": cfg.model, "table": table, "sink": sink, "threads": threads}
+    if pack is not None:
+        kwargs["pack"] = pack
     return ds.map_batches(
-        Tokenizer,
-        fn_constructor_kwargs={"data": cfg.data, "model": cfg.model, "table": table, "sink": sink, "threads": threads},
-        batch_size=None,  # whole blocks: a block is one unit (or several, never part of one)
+        Tokenizer if pack is None else TokenizeAndPack,
+        fn_constructor_kwargs=kwargs,
+        batch_size=None,  # whole blocks: a block holds whole units (a unit is one row)
         batch_format="pyarrow",
-        concurrency=pool,
+        compute=ray.data.ActorPoolStrategy(min_size=pool[0], max_size=pool[1]),
         num_cpus=tok.num_cpus,
         resources=tok.resources or None,
         runtime_env={"env_vars": tokenizer_env(threads)},
@@ -162,18 +163,12 @@ def build_dataset(
     sink = StatsSink(new_stats_actor())
     order = ordered_files(cfg, table, epoch, datasets)
     first, cursor, skip = _start(start)
-    source = ShardDatasource(table, order[first:], _read_options(cfg, table, split), sink, cursor, skip)
+    opts = _read_options(cfg, table, split, first_unit_source=order[0])
+    source = ShardDatasource(table, order[first:], opts, sink, cursor, skip)
     n_tasks = max(1, min(len(order) - first, cfg.data.read_tasks))
     ds = ray.data.read_datasource(source, num_cpus=cfg.data.read_num_cpus, override_num_blocks=n_tasks)
-
-    ds = tokenizer_stage(ds, cfg, table, sink)
-    ds = ds.map_batches(
-        _pack,
-        fn_kwargs={"packer": Packer(_pack_options(cfg, epoch), sink, table)},
-        batch_size=None,
-        batch_format="pyarrow",
-        num_cpus=cfg.data.read_num_cpus,
-    )
+    ds = tokenizer_stage(ds, cfg, table, sink, pack=_pack_options(cfg, epoch))
+    ds.context.target_max_block_size = READ_BLOCK_BYTES  # units leave read tasks as they are read
     ds.context.execution_options.preserve_order = cfg.data.deterministic
     ds.pipelines_stats = sink  # type: ignore[attr-defined]  # read by data_report()
     return ds
@@ -189,23 +184,20 @@ def iter_packed_local(cfg: Config, split: str = "train", sink: StatsSink | None 
     check_pretokenized(cfg, table)
     sink = sink or StatsSink()
     first, cursor, skip = _start(start)
-    files = [table.files[i] for i in ordered_files(cfg, table, epoch)[first:]]
+    order = ordered_files(cfg, table, epoch)
+    files = [table.files[i] for i in order[first:]]
     tokenizer = Tokenizer(cfg.data, cfg.model, table, sink, tokenizer_threads(cfg.data.tokenize, 1))
     packer = Packer(_pack_options(cfg, epoch), sink, table)
-    for block in read_files(files, _read_options(cfg, table, split), sink, cursor, skip):
+    for block in read_files(files, _read_options(cfg, table, split, first_unit_source=order[0]), sink, cursor, skip):
         yield packer(tokenizer(block))
 
 
 def check_pretokenized(cfg: Config, table: SourceTable) -> None:
-    """Refuse an MDS set tokenized with another tokenizer (see :func:`pipelines.mds.check_tokenized_sources`)."""
+    """Refuse an MDS set tokenized with another tokenizer (see :func:`pipelines.mds_reader.check_tokenized_sources`)."""
     if any(f.format == "mds" for f in table.files):
-        from pipelines.mds import check_tokenized_sources
+        from pipelines.mds_reader import check_tokenized_sources
 
         check_tokenized_sources(cfg, table)
-
-
-def _pack(batch: Any, packer: Packer) -> Any:
-    return packer(batch)
 
 
 def data_report(ds: ray.data.Dataset) -> dict[str, Any]:
@@ -215,9 +207,3 @@ def data_report(ds: ray.data.Dataset) -> dict[str, Any]:
         raise ValueError("this dataset was not made by pipelines.build_dataset (no counters attached)")
     return ray.get(sink.actor.snapshot.remote())
 
-
-def print_report(ds: ray.data.Dataset) -> str:
-    """The counters as a short text block (also returned)."""
-    text = format_report(data_report(ds))
-    print(text)
-    return text

@@ -1,11 +1,14 @@
 """A Ray Data ``Datasource`` over the resolved files: read tasks own whole files.
 
 Each read task streams its files and yields one Arrow block per *packing unit* (``unit_size``
-consecutive records of one file)::
+consecutive records of one file), holding **one row**: the unit is atomic in the data, so however
+Ray Data re-buffers or slices blocks it can never cut a unit in two::
 
-    sample_id: int64    (source_index << 40) | row, see pipelines.sources
-    record:    string   the record as a JSON object text, e.g. '{"instruction": "...", "output": "..."}'
-    unit_*:             constant per unit: where it starts and ends in its file (see UNIT_FIELDS)
+    sample_id: list<int64>    (source_index << 40) | row per record, see pipelines.sources
+    record:    list<string>   each record as a JSON object text, e.g. '{"instruction": "...", "output": "..."}'
+    unit_*:                   where the unit starts and ends in its file (pipelines.units.UNIT_FIELDS)
+
+``pipelines.units.explode_units`` turns such blocks into one row per record (the tokenizer does).
 
 Records stay JSON text until the tokenizer actors parse them, so a block's schema never depends on
 the data (nested chat turns, optional fields) and parsing runs in the parallel actor pool. Read tasks
@@ -18,7 +21,7 @@ that is not an array. Bad JSON *content* is reported by the tokenizer actors, na
 from __future__ import annotations
 
 import bisect
-import importlib
+import functools
 import itertools
 import json
 from collections.abc import Callable, Iterator
@@ -31,24 +34,16 @@ import pyarrow.parquet as pq
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
+from pipelines.seeds import splitmix64
 from pipelines.sources import SourceFile, SourceTable, make_sample_id
 from pipelines.stats import Counts, StatsSink
 from pipelines.storage import StorageOptions, filesystem_for
+from pipelines.units import FIRST_UNIT_BYTES, UNIT_FIELDS, Cursor, UnitInfo, explode_units, unit_columns
 
 BLOCK_RECORDS = 1024
 READ_CHUNK_BYTES = 8 << 20
 MAX_UNIT_BYTES = 32 << 20
-# Unit columns are constant within a unit; they let packing verify it saw a whole unit and let the
-# trainer turn "rows consumed" into a resume position (see pipelines/resume.py).
-UNIT_FIELDS = [
-    ("unit_id", pa.int64()),  # sample id of the unit's first record
-    ("unit_start_byte", pa.int64()),  # byte offset of that record's line (-1: not seekable)
-    ("unit_end_row", pa.int64()),  # row after the unit's last record, in its file
-    ("unit_end_byte", pa.int64()),  # byte offset after the unit (-1: not seekable)
-    ("unit_records", pa.int32()),  # records in the unit (after the eval split)
-    ("unit_skip", pa.int32()),  # packed rows of this unit already trained on (resume)
-]
-SCHEMA = pa.schema([("sample_id", pa.int64()), ("record", pa.string()), *UNIT_FIELDS])
+SCHEMA = pa.schema([("sample_id", pa.list_(pa.int64())), ("record", pa.list_(pa.string())), *UNIT_FIELDS])
 
 
 class BadRecordError(ValueError):
@@ -61,13 +56,15 @@ class ReadOptions:
 
     storage: StorageOptions
     on_bad_record: str  # raise | skip
-    text_fields: tuple[str, ...]  # per dataset: the key plain-text lines are stored under
+    text_fields: tuple[str, ...]  # per dataset: the key a plain-text file's content is stored under
     eval_fraction: float = 0.0
     split: str = "train"
     unit_size: int = 10000  # records per packing unit (data.pack_buffer_size)
+    first_unit_source: int = -1  # the stream's first file: its first unit is small (see pipelines.units)
 
 
 BadHandler = Callable[[str, str], None]  # (location, message)
+FROM_START = Cursor()
 
 
 def _fs(file: SourceFile, opts: StorageOptions) -> pafs.FileSystem:
@@ -77,21 +74,11 @@ def _fs(file: SourceFile, opts: StorageOptions) -> pafs.FileSystem:
 COMPRESSED_SUFFIXES = (".gz", ".bz2", ".zst", ".zstd", ".lz4", ".br")
 
 
-@dataclass(frozen=True)
-class Cursor:
-    """Where reading a file starts: a row and, when known, the byte offset of that row's line."""
-
-    row: int = 0
-    byte: int = -1  # -1: unknown or not seekable (compressed) -> skip rows from the start
-
-    @property
-    def at_start(self) -> bool:
-        return self.row == 0
-
-
-# A reader yields (row, record as JSON text, start byte, end byte) per record; bytes are -1 where
-# the format has no seekable offsets. It calls ``bad(where, message)`` for unusable bytes.
+# A reader ``(fs, file, bad, cursor)`` yields (row, record as JSON text, start byte, end byte) per
+# record; bytes are -1 where the format has no seekable offsets. It calls ``bad(where, message)`` for
+# unusable bytes.
 Record = tuple[int, str, int, int]
+Reader = Callable[[pafs.FileSystem, SourceFile, BadHandler, Cursor], Iterator[Record]]
 
 
 def _iter_lines(fs: pafs.FileSystem, path: str, cursor: Cursor) -> Iterator[tuple[int, bytes, int, int]]:
@@ -134,8 +121,8 @@ def _decode(raw: bytes, where: str, bad: BadHandler) -> str | None:
         return None
 
 
-def read_jsonl(fs: pafs.FileSystem, file: SourceFile, text_field: str, bad: BadHandler,
-               cursor: Cursor = Cursor()) -> Iterator[Record]:
+def read_jsonl(fs: pafs.FileSystem, file: SourceFile, bad: BadHandler,
+               cursor: Cursor = FROM_START) -> Iterator[Record]:
     """JSON Lines: one record per line; blank lines keep their row number but hold no record."""
     any_line = False
     for row, raw, start, end in _iter_lines(fs, file.path, cursor):
@@ -149,8 +136,8 @@ def read_jsonl(fs: pafs.FileSystem, file: SourceFile, text_field: str, bad: BadH
         bad(file.url, "empty file")
 
 
-def read_text(fs: pafs.FileSystem, file: SourceFile, text_field: str, bad: BadHandler,
-              cursor: Cursor = Cursor()) -> Iterator[Record]:
+def read_text(fs: pafs.FileSystem, file: SourceFile, bad: BadHandler,
+              cursor: Cursor = FROM_START, text_field: str = "text") -> Iterator[Record]:
     """Plain text: the whole file is one document (row 0), stored as ``{text_field: ...}``."""
     if not cursor.at_start:
         return
@@ -164,8 +151,8 @@ def read_text(fs: pafs.FileSystem, file: SourceFile, text_field: str, bad: BadHa
         yield 0, json.dumps({text_field: text}, ensure_ascii=False), -1, -1
 
 
-def read_json_array(fs: pafs.FileSystem, file: SourceFile, text_field: str, bad: BadHandler,
-                    cursor: Cursor = Cursor()) -> Iterator[Record]:
+def read_json_array(fs: pafs.FileSystem, file: SourceFile, bad: BadHandler,
+                    cursor: Cursor = FROM_START) -> Iterator[Record]:
     """A JSON file: an array of records (the whole file is parsed: use JSONL for big data), or JSON Lines."""
     with fs.open_input_stream(file.path) as stream:
         raw = stream.read()
@@ -174,7 +161,7 @@ def read_json_array(fs: pafs.FileSystem, file: SourceFile, text_field: str, bad:
         bad(file.url, "empty file")
         return
     if head != b"[":  # JSON Lines saved as .json
-        yield from read_jsonl(fs, file, text_field, bad, Cursor(cursor.row))
+        yield from read_jsonl(fs, file, bad, Cursor(cursor.row))
         return
     text = _decode(raw, file.url, bad)
     if text is None:
@@ -188,8 +175,8 @@ def read_json_array(fs: pafs.FileSystem, file: SourceFile, text_field: str, bad:
         yield row, json.dumps(records[row], ensure_ascii=False), -1, -1
 
 
-def read_parquet(fs: pafs.FileSystem, file: SourceFile, text_field: str, bad: BadHandler,
-                 cursor: Cursor = Cursor()) -> Iterator[Record]:
+def read_parquet(fs: pafs.FileSystem, file: SourceFile, bad: BadHandler,
+                 cursor: Cursor = FROM_START) -> Iterator[Record]:
     """Parquet: streamed by row group (groups before ``cursor.row`` are not read); rows become JSON records."""
     with fs.open_input_file(file.path) as f:
         pf = pq.ParquetFile(f)
@@ -208,7 +195,7 @@ def read_parquet(fs: pafs.FileSystem, file: SourceFile, text_field: str, bad: Ba
                     row += 1
 
 
-READERS: dict[str, Callable[..., Iterator[Record]]] = {
+READERS: dict[str, Reader] = {
     "jsonl": read_jsonl,
     "json": read_json_array,
     "parquet": read_parquet,
@@ -216,30 +203,22 @@ READERS: dict[str, Callable[..., Iterator[Record]]] = {
 }
 
 
-def register_reader(fmt: str, reader: Callable[..., Iterator[Record]]) -> None:
-    """Add a reader for a format (``mds`` registers itself from ``pipelines.mds``)."""
-    READERS[fmt] = reader
+def reader_for(file: SourceFile, opts: ReadOptions) -> Reader:
+    """The reader of a file's format; MDS's is imported on first use, in whichever process reads."""
+    if file.format == "text":
+        return functools.partial(read_text, text_field=opts.text_fields[file.dataset_index])
+    if file.format == "mds":
+        from pipelines.mds_reader import read_mds
 
-
-# Readers in their own modules, imported on first use in whichever process reads (a Ray worker
-# unpickling a read task has not imported them).
-LAZY_READERS = {"mds": "pipelines.mds"}
-
-
-def _lazy_reader(fmt: str) -> Callable[..., Iterator[Record]] | None:
-    if fmt in LAZY_READERS:
-        importlib.import_module(LAZY_READERS[fmt])  # calls register_reader
-    return READERS.get(fmt)
+        return read_mds
+    if file.format not in READERS:
+        raise BadRecordError(f"{file.url}: no reader for format {file.format!r}")
+    return READERS[file.format]
 
 
 def in_eval_split(sample_ids: np.ndarray, fraction: float) -> np.ndarray:
     """Deterministic held-out membership: splitmix64(sample_id) / 2**64 < fraction."""
-    x = sample_ids.astype(np.uint64)
-    with np.errstate(over="ignore"):
-        x = x + np.uint64(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        x = x ^ (x >> np.uint64(31))
+    x = splitmix64(sample_ids)
     return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53) < fraction
 
 
@@ -265,32 +244,17 @@ def _unit_table(u: _Unit, end_row: int, end_byte: int, opts: ReadOptions) -> pa.
             keep = ~keep
         idx = np.nonzero(keep)[0]
         arr, records = arr[idx], [records[i] for i in idx]
-    n = len(arr)
-
-    def const(value: int, typ: pa.DataType) -> pa.Array:
-        return pa.array(np.full(n, value), typ)
-
-    return pa.Table.from_arrays(
-        [
-            pa.array(arr, pa.int64()),
-            pa.array(records, pa.string()),
-            const(u.ids[0], pa.int64()),
-            const(u.start_byte, pa.int64()),
-            const(end_row, pa.int64()),
-            const(end_byte, pa.int64()),
-            const(n, pa.int32()),
-            const(u.skip, pa.int32()),
-        ],
-        schema=SCHEMA,
-    )
+    info = UnitInfo(u.ids[0], u.start_byte, end_row, end_byte, u.skip)
+    columns = [pa.array([arr], pa.list_(pa.int64())), pa.array([records], pa.list_(pa.string())), *unit_columns(info, len(arr))]
+    return pa.Table.from_arrays(columns, schema=SCHEMA)
 
 
 def read_files(files: list[SourceFile], opts: ReadOptions, sink: StatsSink, start: Cursor | None = None,
                skip_rows: int = 0) -> Iterator[pa.Table]:
-    """The body of one read task: stream its files and yield one block per packing unit.
+    """The body of one read task: stream its files and yield one block (of one row) per packing unit.
 
     A unit is ``opts.unit_size`` consecutive records of one file (or fewer, at the file's end or past
-    ``MAX_UNIT_BYTES``). Units are what packing works on and what resumption counts, so they depend
+    ``MAX_UNIT_BYTES``; the stream's first unit stops at ``FIRST_UNIT_BYTES``, see :mod:`pipelines.units`). Units are what packing works on and what resumption counts, so they depend
     only on the data and the config. ``start`` resumes the first file at a unit boundary; that unit's
     first ``skip_rows`` packed rows were already trained on and are dropped after packing.
     """
@@ -302,23 +266,23 @@ def read_files(files: list[SourceFile], opts: ReadOptions, sink: StatsSink, star
         counts.add("skipped_bad_bytes", 1, f"{where}: {msg}")
 
     for k, file in enumerate(files):
-        reader = READERS.get(file.format) or _lazy_reader(file.format)
-        if reader is None:
-            raise BadRecordError(f"{file.url}: no reader for format {file.format!r}")
+        reader = reader_for(file, opts)
         cursor = start if (k == 0 and start is not None) else Cursor()
         fs = _fs(file, opts.storage)
         unit: _Unit | None = None
         pending_skip = skip_rows if (k == 0 and start is not None) else 0
         end_row, end_byte = cursor.row, cursor.byte
-        for row, record, rec_start, rec_end in reader(fs, file, opts.text_fields[file.dataset_index], bad, cursor):
+        for row, record, rec_start, rec_end in reader(fs, file, bad, cursor):
             if unit is None:
+                first = row == 0 and file.source_index == opts.first_unit_source
+                max_bytes = FIRST_UNIT_BYTES if first else MAX_UNIT_BYTES
                 unit = _Unit(file, [], [], rec_start, skip=pending_skip)
                 pending_skip = 0
             unit.ids.append(make_sample_id(file.source_index, row))
             unit.records.append(record)
             unit.nbytes += len(record)
             end_row, end_byte = row + 1, rec_end
-            if len(unit.ids) >= opts.unit_size or unit.nbytes >= MAX_UNIT_BYTES:
+            if len(unit.ids) >= opts.unit_size or unit.nbytes >= max_bytes:
                 counts.add("records_read", len(unit.ids))
                 yield _unit_table(unit, end_row, end_byte, opts)
                 unit = None
@@ -332,8 +296,8 @@ def read_files(files: list[SourceFile], opts: ReadOptions, sink: StatsSink, star
 def group_files(files: list[SourceFile], parallelism: int) -> list[list[SourceFile]]:
     """Split files into exactly ``min(parallelism, len(files))`` contiguous groups of similar size.
 
-    Exactly that many: Ray Data splits the output blocks of a read that returns fewer tasks than it
-    asked for, and a split block would cut a packing unit in two. Example: sizes [5, 1, 1, 1, 4]
+    Exactly that many, so Ray Data does not split the read's output blocks to make up the count (a
+    unit is one row, so a split could not cut one, but it costs extra tasks). Example: sizes [5, 1, 1, 1, 4]
     into 2 groups: cut where the running total first reaches half of 12 -> [[5, 1], [1, 1, 4]].
     """
     n = max(1, min(parallelism, len(files)))
@@ -387,5 +351,6 @@ class ShardDatasource(Datasource):
 def read_all_records(table: SourceTable, opts: ReadOptions) -> Iterator[tuple[int, str]]:
     """Every ``(sample_id, record)`` of a table in file order, without Ray (tests and tools)."""
     for block in read_files(list(table.files), opts, StatsSink()):
-        yield from zip(block.column("sample_id").to_pylist(), block.column("record").to_pylist(), strict=True)
+        records = explode_units(block)
+        yield from zip(records.column("sample_id").to_pylist(), records.column("record").to_pylist(), strict=True)
 

@@ -30,11 +30,12 @@ from typing import Any
 import ray
 
 from pipelines.config import Config, config_from_dict, dump_config
-from pipelines.dataset import build_dataset, data_report, ordered_files
+from pipelines.dataset import build_dataset, data_report
 from pipelines.mixing import Mixer, Row, fresh_states
 from pipelines.resume import DataState, Ledger, LedgerEntry, SourceState
 from pipelines.sources import resolve_sources
 from pipelines.storage import StorageOptions, filesystem_for
+from pipelines.units import file_positions
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +80,7 @@ class StreamPlan:
         point = state.point
         ds = build_dataset(self.cfg, self.split, epoch=point.epoch, start=point, datasets=self.groups[i])
         self.datasets.append(ds)
-        order = ordered_files(self.cfg, self.table, point.epoch, self.groups[i])
-        return _rows_of(ds), {source: pos for pos, source in enumerate(order)}
+        return _rows_of(ds), file_positions(self.table, self.cfg.data.shuffle_seed, point.epoch, self.groups[i])
 
 
 @ray.remote(num_cpus=0, max_concurrency=64)

@@ -25,20 +25,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pipelines.dataset import ResumePoint
-from pipelines.resume import SourceState, point_after
+from pipelines.resume import SourceState
+from pipelines.seeds import stream_epoch
+from pipelines.units import ResumePoint, point_after
 
 Row = dict[str, Any]
 # open(source index, state) -> (rows of that source from state.point, source index -> file position)
 Opener = Callable[[int, SourceState], tuple[Iterator[Row], dict[int, int]]]
-
-PASS_STRIDE = 1000  # a cycle pass p of epoch e reads in the order of stream epoch e * 1000 + p
-
-
-def stream_epoch(epoch: int, passes: int) -> int:
-    """The key that seeds a source's file order and row shuffle for one pass of an epoch."""
-    return epoch * PASS_STRIDE + passes
-
 
 class Mixer:
     """Interleaves source streams by weight; ``next()`` returns ``(source, row)`` or ``None`` at epoch end."""

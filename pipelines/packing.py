@@ -27,24 +27,18 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from pipelines.seeds import unit_shuffle_seed
 from pipelines.sources import SourceTable
 from pipelines.stats import Counts, StatsSink
-from pipelines.tokenize import IGNORE_INDEX, list_array
+from pipelines.tokenize import list_array
+from pipelines.tokenizer import IGNORE_INDEX
+from pipelines.units import ROW_UNIT_FIELDS, UnitInfo, row_unit_columns
 
 ROW_FIELDS = [
     ("input_ids", pa.list_(pa.int32())),
     ("labels", pa.list_(pa.int32())),
     ("position_ids", pa.list_(pa.int32())),
     ("sample_ids", pa.list_(pa.int64())),
-]
-# Where each row sits in its packing unit: what resumption needs (pipelines/resume.py).
-ROW_UNIT_FIELDS = [
-    ("unit_id", pa.int64()),
-    ("unit_start_byte", pa.int64()),
-    ("unit_end_row", pa.int64()),
-    ("unit_end_byte", pa.int64()),
-    ("unit_row", pa.int32()),  # index of this row among the unit's packed rows
-    ("unit_rows", pa.int32()),  # packed rows the unit produced
 ]
 PACKED_SCHEMA = pa.schema(ROW_FIELDS + ROW_UNIT_FIELDS)
 
@@ -194,9 +188,9 @@ def concat_rows(s: Samples, seq_len: int, counts: Counts) -> Rows:
     return rows
 
 
-def shuffle_rows(rows: Rows, seed: int, key: int) -> Rows:
-    """Seeded permutation of a buffer's rows (same seed and buffer -> same order)."""
-    rng = np.random.default_rng([seed & 0xFFFFFFFF, key & 0xFFFFFFFFFFFF])
+def shuffle_rows(rows: Rows, seed: int, epoch: int, unit_id: int) -> Rows:
+    """Seeded permutation of a unit's rows (same seed, stream epoch and unit -> same order)."""
+    rng = np.random.default_rng(unit_shuffle_seed(seed, epoch, unit_id))
     perm = rng.permutation(len(rows.ids))
     return Rows(*[[part[i] for i in perm] for part in (rows.ids, rows.labels, rows.positions, rows.sample_ids)])
 
@@ -228,19 +222,6 @@ def split_units(batch: pa.Table) -> Iterator[pa.Table]:
         yield unit
 
 
-def _unit_columns(unit: pa.Table, n_rows: int, skip: int) -> list[pa.Array]:
-    first = {name: unit.column(name)[0].as_py() for name in ("unit_id", "unit_start_byte", "unit_end_row", "unit_end_byte")}
-    k = n_rows - skip
-    return [
-        pa.array(np.full(k, first["unit_id"]), pa.int64()),
-        pa.array(np.full(k, first["unit_start_byte"]), pa.int64()),
-        pa.array(np.full(k, first["unit_end_row"]), pa.int64()),
-        pa.array(np.full(k, first["unit_end_byte"]), pa.int64()),
-        pa.array(np.arange(skip, n_rows), pa.int32()),
-        pa.array(np.full(k, n_rows), pa.int32()),
-    ]
-
-
 class Packer:
     """``map_batches`` callable: tokenized units -> shuffled packed rows, unit by unit.
 
@@ -258,9 +239,9 @@ class Packer:
     def pack_unit(self, unit: pa.Table, counts: Counts) -> pa.Table:
         s = Samples.from_table(unit)
         rows = pack_samples(s, self.opts, counts, self._where)
-        unit_id = unit.column("unit_id")[0].as_py()
-        rows = shuffle_rows(rows, self.opts.shuffle_seed + 1_000_003 * self.opts.epoch, unit_id)
-        skip = min(unit.column("unit_skip")[0].as_py(), len(rows.ids))
+        info = UnitInfo.of(unit)
+        rows = shuffle_rows(rows, self.opts.shuffle_seed, self.opts.epoch, info.unit_id)
+        skip = min(info.skip, len(rows.ids))
         kept = Rows(*[part[skip:] for part in (rows.ids, rows.labels, rows.positions, rows.sample_ids)])
         counts.add("rows", len(kept.ids))
         counts.add("row_tokens", sum(len(r) for r in kept.ids))
@@ -268,7 +249,7 @@ class Packer:
         if skip:
             counts.add("resume_skipped_rows", skip)
         base = kept.to_arrays()
-        return pa.Table.from_arrays(base + _unit_columns(unit, len(rows.ids), skip), schema=PACKED_SCHEMA)
+        return pa.Table.from_arrays(base + row_unit_columns(info, len(rows.ids), skip), schema=PACKED_SCHEMA)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         counts = Counts()

@@ -3,10 +3,8 @@
 The stream of one source is deterministic (``data.deterministic``): files in a seeded order, each
 cut into packing units, each unit packed on its own. A run consumes that stream as a prefix, so its
 position is one point: "file ``file_pos`` of the epoch's order, the unit starting at ``row`` (byte
-``byte``), of which ``skip_rows`` packed rows are done". Worked example, units of 1000 records::
-
-    consumed the 3rd of 7 rows of the unit starting at row 2000 of the 2nd file
-    -> ResumePoint(epoch=0, file_pos=1, row=2000, byte=<offset of row 2000>, skip_rows=3)
+``byte``), of which ``skip_rows`` packed rows are done" (:class:`pipelines.units.ResumePoint`, made by
+:func:`pipelines.units.point_after`, with a worked example there).
 
 On resume, files before ``file_pos`` are not opened, the file is seeked to ``byte`` (JSONL) or its
 row groups skipped (Parquet), and only that one unit is tokenized again - so resuming costs the same
@@ -15,28 +13,44 @@ computed from the rows of committed optimizer steps only.
 
 The ledger (``<run dir>/ledger/epoch_<e>/steps_<a>-<b>.jsonl``) lists, per committed step, the
 ``sample_ids`` of every row in it, rank by rank; steps undone by a restore are removed from it.
+A data restart (``run.on_data_change: restart``) leaves ``<run dir>/ledger/restart_<step>.json``.
+
+A position is only meaningful for the stream it was taken in. :class:`DataState` therefore carries a
+``version`` (of its own layout) and a ``fingerprint``: everything that decides the row stream, as
+readable ``key -> value`` pairs (:func:`stream_fingerprint`), e.g.::
+
+    {"data.sequence_len": 512, "data.shuffle_seed": 42, "data.datasets[0].type": "alpaca",
+     "files": "3 files, sha256 9f1c...", "tokenizer": "demo://tokenizer sha256 41ab...", ...}
+
+:func:`fingerprint_changes` compares two of them and names what changed
+(``data.sequence_len: 512 -> 256``); the checkpoint layer refuses to resume on any change.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow.fs as pafs
 
-from pipelines.dataset import ResumePoint
-from pipelines.sources import split_sample_id
+from pipelines.units import STREAM_LAYOUT, ResumePoint, point_after
+
+if TYPE_CHECKING:
+    from pipelines.config import Config
+
+__all__ = ["DATA_STATE_VERSION", "DataState", "DataStateError", "Ledger", "LedgerEntry", "SourceState",
+           "fingerprint_changes", "point_after", "sample_counts", "stream_fingerprint"]
+
+# Bump when the layout or meaning of DataState changes; a state of another version is refused.
+DATA_STATE_VERSION = 1
 
 
-def point_after(row: dict[str, Any], file_pos_of: dict[int, int], epoch: int) -> ResumePoint:
-    """The resume point right after ``row`` was trained on (``file_pos_of``: source index -> read position)."""
-    source, first_row = split_sample_id(row["unit_id"])
-    file_pos = file_pos_of[source]
-    if row["unit_row"] + 1 < row["unit_rows"]:
-        return ResumePoint(epoch, file_pos, first_row, row["unit_start_byte"], row["unit_row"] + 1)
-    return ResumePoint(epoch, file_pos, row["unit_end_row"], row["unit_end_byte"], 0)
+class DataStateError(ValueError):
+    """A saved data position that cannot be used: unreadable, another version, or another stream."""
 
 
 @dataclass
@@ -61,22 +75,132 @@ class SourceState:
 
 @dataclass
 class DataState:
-    """Everything needed to continue the data exactly where a checkpoint left it. Global, not per rank."""
+    """Everything needed to continue the data exactly where a checkpoint left it. Global, not per rank.
+
+    ``fingerprint`` is filled in by the checkpoint layer (:func:`stream_fingerprint`); ``{}`` in
+    states the feeder produces. ``to_dict``/``from_dict`` round-trip exactly; ``from_dict`` raises
+    :class:`DataStateError` on anything it cannot read (never a silent fresh start).
+    """
 
     epoch: int = 0
     step: int = 0  # optimizer steps committed so far (all epochs)
     sources: list[SourceState] = field(default_factory=list)
     epoch_done: bool = False
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    version: int = DATA_STATE_VERSION
 
     def to_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "step": self.step, "epoch_done": self.epoch_done,
-                "sources": [s.to_dict() for s in self.sources]}
+        return {"version": self.version, "epoch": self.epoch, "step": self.step, "epoch_done": self.epoch_done,
+                "sources": [s.to_dict() for s in self.sources], "fingerprint": dict(self.fingerprint)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> DataState | None:
-        if not d or "sources" not in d:
+        """``None`` for no state at all (``None`` or ``{}``: a fresh start); else the state, or an error."""
+        if not d:
             return None
-        return cls(d["epoch"], d["step"], [SourceState.from_dict(s) for s in d["sources"]], d.get("epoch_done", False))
+        if not isinstance(d, dict):
+            raise DataStateError(f"data_state is a {type(d).__name__}, not a mapping")
+        version = d.get("version")
+        if version != DATA_STATE_VERSION:
+            raise DataStateError(f"data_state has version {version!r}; this code reads version {DATA_STATE_VERSION} "
+                                 "(it was written by another version of pipelines)")
+        try:
+            return cls(int(d["epoch"]), int(d["step"]), [SourceState.from_dict(s) for s in d["sources"]],
+                       bool(d["epoch_done"]), dict(d.get("fingerprint") or {}), version)
+        except (KeyError, TypeError, ValueError) as err:
+            raise DataStateError(f"data_state cannot be read: {type(err).__name__}: {err}") from None
+
+    @classmethod
+    def restart(cls, epoch: int, step: int) -> DataState:
+        """The start of ``epoch`` after ``step`` committed steps: the position a data restart resumes at.
+
+        Encoded as "epoch - 1 is done", which the feeder continues with a fresh ``epoch``.
+        """
+        return cls(epoch - 1, step, [], epoch_done=True)
+
+
+# --------------------------------------------------------------------------- fingerprint
+
+# data.* keys that change how fast the stream is made, never which rows it holds.
+_NOT_IN_STREAM = ("tokenize", "read_num_cpus", "read_tasks", "eval_datasets", "datasets")
+# Tokenizer files hashed for its identity; the chat template is its own entry.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model")
+_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+
+
+def _flat(prefix: str, value: Any, out: dict[str, Any]) -> None:
+    """``("data", {"a": {"b": 1}})`` -> ``{"data.a.b": 1}``; lists of scalars stay one JSON value."""
+    if isinstance(value, dict):
+        for k in sorted(value):
+            _flat(f"{prefix}.{k}", value[k], out)
+    elif isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
+        for i, v in enumerate(value):
+            _flat(f"{prefix}[{i}]", v, out)
+    else:
+        out[prefix] = value if isinstance(value, (int, float, str, bool)) or value is None else json.dumps(value)
+
+
+def _sha(chunks: Iterable[bytes]) -> str:
+    h = hashlib.sha256()
+    for c in chunks:
+        h.update(c)
+    return h.hexdigest()[:16]
+
+
+def _tokenizer_identity(cfg: Config) -> tuple[str, str]:
+    """``(tokenizer, chat_template)`` entries: the tokenizer's name plus a hash of its files (when local)."""
+    from pipelines.tokenizer import resolve_tokenizer_path
+
+    name = cfg.model.tokenizer_path or ""
+    path = resolve_tokenizer_path(cfg.model) if name else ""
+    if not path or not os.path.isdir(path):
+        return name, f"(in the tokenizer {name})"
+
+    def read(names: tuple[str, ...]) -> list[bytes]:
+        return [n.encode() + open(os.path.join(path, n), "rb").read()
+                for n in names if os.path.isfile(os.path.join(path, n))]
+
+    files = read(_TOKENIZER_FILES)
+    templates = read(_TEMPLATE_FILES)
+    config_file = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(config_file):  # the template inside tokenizer_config.json counts as the template
+        with open(config_file, encoding="utf-8") as f:
+            templates.append(json.dumps(json.load(f).get("chat_template"), sort_keys=True).encode())
+    return f"{name} sha256 {_sha(files)}", f"sha256 {_sha(templates)}"
+
+
+def stream_fingerprint(cfg: Config) -> dict[str, Any]:
+    """What decides the training row stream, as ``key -> value`` (see the module docstring).
+
+    Resolves the training files (metadata only) and hashes the tokenizer's files; the world size,
+    batch sizes and actor counts are not in it (the stream does not depend on them).
+    """
+    from pipelines.sources import resolve_sources
+
+    out: dict[str, Any] = {}
+    data = cfg.data.model_dump(mode="json")
+    for key in _NOT_IN_STREAM:
+        data.pop(key, None)
+    _flat("data", data, out)
+    for i, ds in enumerate(cfg.data.datasets):
+        _flat(f"data.datasets[{i}]", ds.model_dump(mode="json"), out)
+    table = resolve_sources(cfg, "train")
+    listing = [f"{f.url}\t{f.format}\t{f.size}\t{f.meta}".encode() for f in table.files]
+    out["files"] = f"{len(listing)} files, sha256 {_sha(listing)}"
+    out["tokenizer"], out["chat_template"] = _tokenizer_identity(cfg)
+    out["stream_layout"] = STREAM_LAYOUT  # how units are cut and shuffled (pipelines.units)
+    return out
+
+
+def fingerprint_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """What differs, one ``key: old -> new`` line each (``(unset)`` for a key only one side has)."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        old, new = saved.get(key, "(unset)"), current.get(key, "(unset)")
+        if old != new:
+            out.append(f"{key}: {old!r} -> {new!r}")
+    return out
 
 
 # --------------------------------------------------------------------------- ledger
@@ -140,6 +264,24 @@ class Ledger:
         with self.fs.open_input_stream(path) as f:
             lines = f.read().decode().splitlines()
         return [LedgerEntry(**json.loads(line)) for line in lines if line.strip()]
+
+    def mark_restart(self, step: int, reason: str) -> None:
+        """Record that the data position was restarted after ``step`` (``run.on_data_change: restart``)."""
+        self.fs.create_dir(self.root, recursive=True)
+        with self.fs.open_output_stream(f"{self.root}/restart_{step:08d}.json") as f:
+            f.write(json.dumps({"after_step": step, "reason": reason}).encode())
+
+    def restarts(self) -> list[dict[str, Any]]:
+        """The data restarts recorded by :meth:`mark_restart`, oldest first."""
+        if self.fs.get_file_info(self.root).type == pafs.FileType.NotFound:
+            return []
+        infos = sorted((i for i in self.fs.get_file_info(pafs.FileSelector(self.root))
+                        if i.base_name.startswith("restart_")), key=lambda i: i.path)
+        out = []
+        for info in infos:
+            with self.fs.open_input_stream(info.path) as f:
+                out.append(json.loads(f.read().decode()))
+        return out
 
     def entries(self, epoch: int | None = None) -> list[LedgerEntry]:
         """Committed steps in step order (optionally one epoch)."""

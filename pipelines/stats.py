@@ -79,11 +79,18 @@ def new_stats_actor() -> Any:
     return DataStats.remote()
 
 
+def packing_efficiency(tokens: int | float, capacity: int | float) -> float | None:
+    """The one packing-efficiency formula: tokens in rows / capacity, capacity = rows x sequence_len.
+
+    Example: 3 rows of sequence_len 256 holding 600 tokens -> 600 / 768 = 0.78; no rows -> None.
+    """
+    return float(tokens) / capacity if capacity else None
+
+
 def efficiency(snapshot: dict[str, Any]) -> float | None:
-    """Packing efficiency, tokens in rows / (rows x sequence_len), from a snapshot."""
+    """Packing efficiency of a counters snapshot (``row_tokens`` / ``row_capacity``)."""
     c = snapshot["counters"]
-    capacity = c.get("row_capacity", 0)
-    return c.get("row_tokens", 0) / capacity if capacity else None
+    return packing_efficiency(c.get("row_tokens", 0), c.get("row_capacity", 0))
 
 
 def format_report(snapshot: dict[str, Any]) -> str:

@@ -20,32 +20,21 @@ import numpy as np
 import pyarrow as pa
 
 from pipelines.config import DataConfig, ModelConfig
-from pipelines.datasource import UNIT_FIELDS, BadRecordError
+from pipelines.datasource import BadRecordError
 from pipelines.formats import Formatted, RecordError, make_formatter
+from pipelines.records import unpack_array
 from pipelines.sources import SourceTable, split_sample_id
 from pipelines.stats import Counts, StatsSink
+from pipelines.tokenizer import IGNORE_INDEX, load_backend, load_tokenizer
+from pipelines.units import carry_unit_columns, explode_units
 
-IGNORE_INDEX = -100
+# Dataset types whose formatter needs the transformers tokenizer (its chat template).
+HF_FORMATS = ("chat_template",)
+
+__all__ = ["IGNORE_INDEX", "TOKENIZED_SCHEMA", "Tokenizer", "list_array", "span_labels", "tokenized_table"]
 TOKENIZED_SCHEMA = pa.schema(
     [("sample_id", pa.int64()), ("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))]
 )
-
-
-def resolve_tokenizer_path(model: ModelConfig) -> str:
-    """``model.tokenizer`` (or ``name_or_path``) with ``demo://`` made local."""
-    path = model.tokenizer_path
-    if path.startswith("demo://"):
-        from pipelines.demo import resolve_demo_path
-
-        path = resolve_demo_path(path)
-    return path
-
-
-def load_tokenizer(model: ModelConfig) -> Any:
-    """Load the configured Hugging Face tokenizer (local directory or cached id; never the Hub at run time)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(resolve_tokenizer_path(model), trust_remote_code=model.trust_remote_code)
 
 
 def _first_token(enc: Any, start: int, end: int, step: int) -> int | None:
@@ -97,20 +86,23 @@ class Tokenizer:
     def __init__(self, data: DataConfig, model: ModelConfig, table: SourceTable, sink: StatsSink, threads: int = 1):
         os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "true" if threads > 1 else "false")
-        self.data, self.table, self.sink = data, table, sink
-        self.hf = load_tokenizer(model)
-        if not getattr(self.hf, "is_fast", False):
-            raise ValueError(f"tokenizer {model.tokenizer_path!r} is not a fast tokenizer (needs tokenizer.json)")
-        # Lengths are ours to manage: a truncation or padding setting saved inside tokenizer.json
-        # (the upstream GPT-2 file truncates at 50 tokens) would silently cut samples.
-        self.backend = self.hf.backend_tokenizer
-        self.backend.no_truncation()
-        self.backend.no_padding()
-        self.eos = self.hf.eos_token_id
-        self.vocab_size, self.tokenizer_name = len(self.hf), model.tokenizer_path
-        self.formatters = [make_formatter(ds, data, self.hf) for ds in table.datasets]
+        self.data, self.model, self.table, self.sink = data, model, table, sink
+        # Chat templates need the transformers tokenizer; other formats only the Rust one, which loads
+        # without importing transformers when that gives the same encoding (pipelines.tokenizer).
+        self._hf = load_tokenizer(model) if any(ds.type in HF_FORMATS for ds in table.datasets) else None
+        backend = load_backend(model, self._hf)
+        self.backend, self.eos, self.vocab_size = backend.tokenizer, backend.eos_token_id, backend.vocab_size
+        self.tokenizer_name = model.tokenizer_path
+        self.formatters = [make_formatter(ds, data, self._hf) for ds in table.datasets]
         if data.add_eos and self.eos is None and any(ds.type in ("completion", "alpaca") for ds in table.datasets):
             raise ValueError(f"tokenizer {model.tokenizer_path!r} has no eos_token; set data.add_eos: false")
+
+    @property
+    def hf(self) -> Any:
+        """The transformers tokenizer (loaded on first use where the stage itself does not need it)."""
+        if self._hf is None:
+            self._hf = load_tokenizer(self.model)
+        return self._hf
 
     # -- one record -------------------------------------------------------------------------
     def _format(self, sample_id: int, record: str, counts: Counts) -> Formatted | Pretokenized | None:
@@ -131,12 +123,12 @@ class Tokenizer:
     def _pretokenized(self, sample_id: int, rec: dict[str, Any], counts: Counts) -> Pretokenized | None:
         """Check a record that already holds ``input_ids`` (and maybe ``labels``); no template, no EOS.
 
-        Which tokenizer made a converted set is checked once at build time (pipelines.mds); here every
+        Which tokenizer made a converted set is checked once at build time (pipelines.mds_reader); here every
         id must at least be in this tokenizer's vocabulary, and labels must align with the ids.
         """
         try:
-            ids = np.asarray(rec["input_ids"], dtype=np.int64)
-            labels = np.asarray(rec["labels"], dtype=np.int64) if rec.get("labels") is not None else ids
+            ids = unpack_array(rec["input_ids"])
+            labels = unpack_array(rec["labels"]) if rec.get("labels") is not None else ids
         except (TypeError, ValueError, OverflowError):
             return self._bad(sample_id, "input_ids/labels should be lists of integers", counts)
         if ids.ndim != 1 or len(ids) == 0:
@@ -179,6 +171,7 @@ class Tokenizer:
         """Tokenize a batch. The row count is kept: a skipped sample becomes an empty row, so the
         packing stage can check it received every record of a unit."""
         counts = Counts()
+        batch = explode_units(batch)
         sids = batch.column("sample_id").to_pylist()
         formatted = [self._format(sid, rec, counts) for sid, rec in zip(sids, batch.column("record").to_pylist(), strict=True)]
         live = [i for i, f in enumerate(formatted) if isinstance(f, Formatted)]
@@ -214,10 +207,7 @@ class Tokenizer:
         counts.add("samples_tokenized", n_kept)
         counts.add("tokens", n_tokens)
         self.sink.send(counts)
-        out = tokenized_table(sids, all_ids, all_labels)
-        for name, _ in UNIT_FIELDS:
-            out = out.append_column(name, batch.column(name))
-        return out
+        return carry_unit_columns(batch, tokenized_table(sids, all_ids, all_labels))
 
 
 INT32 = pa.int32()

@@ -64,9 +64,15 @@ def main(argv: list[str] | None, default_config: Path, description: str) -> int:
     config, overrides = parse_args(argv, default_config, description)
     cfg = load_or_exit(config, overrides)
     init_ray()
+    from pipelines.train.checkpoint import CheckpointError
     from pipelines.train.trainer import build_trainer
 
-    result = build_trainer(cfg).fit()
+    try:
+        trainer = build_trainer(cfg)
+    except CheckpointError as err:  # e.g. the data changed since the checkpoint: nothing was trained
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    result = trainer.fit()
     metrics = result.metrics or {}
     print(f"finished: step {metrics.get('step')} loss {metrics.get('loss', float('nan')):.4f}")
     print(f"run dir:    {result.path}")

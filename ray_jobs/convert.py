@@ -124,7 +124,7 @@ def choose_columns(table: SourceTable, opts: Any, n: int, given: dict[str, str])
     from itertools import islice
 
     from pipelines.datasource import read_all_records
-    from pipelines.mds import infer_columns
+    from pipelines.mds_sink import infer_columns
 
     first = SourceTable(table.files[:1], table.datasets, table.storage)
     records = [json.loads(rec) for _, rec in islice(read_all_records(first, opts), n)]
@@ -144,8 +144,7 @@ def _keep_tokenized(batch: pa.Table) -> pa.Table:
 def tokenized_meta(cfg: Config, table: SourceTable) -> dict[str, Any]:
     """What produced a tokenized set (written as tokenized.json); checked by build_dataset."""
     from pipelines.formats import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, ALPACA_TURN
-    from pipelines.mds import tokenizer_sha256
-    from pipelines.tokenize import load_tokenizer
+    from pipelines.tokenizer import load_tokenizer, tokenizer_sha256
 
     hf = load_tokenizer(cfg.model)
     return {
@@ -171,7 +170,7 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
 
     from pipelines.dataset import tokenizer_stage
     from pipelines.datasource import ReadOptions, ShardDatasource
-    from pipelines.mds import MDSDatasink
+    from pipelines.mds_sink import MDSDatasink
     from pipelines.stats import StatsSink, format_report, new_stats_actor
 
     t0 = time.perf_counter()
@@ -217,7 +216,7 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from pipelines.datasource import BadRecordError
-    from pipelines.mds import MDSError
+    from pipelines.mds_index import MDSError
 
     try:
         init_ray()

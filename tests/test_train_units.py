@@ -51,9 +51,11 @@ def test_latest_checkpoint_in_run_dir(tmp_path):
         d = tmp_path / checkpoint_dir_name(step)
         d.mkdir()
         (d / STATE_FILE).write_text(json.dumps({"step": step}))
+        size = (d / STATE_FILE).stat().st_size
+        (d / "manifest.json").write_text(json.dumps({"files": {STATE_FILE: size}, "world_size": 1}))
     (tmp_path / "model").mkdir()
-    assert latest_in_run_dir(str(tmp_path)).endswith("checkpoint_00000120")
-    assert latest_in_run_dir(str(tmp_path / "checkpoint_00000016")).endswith("checkpoint_00000016")
+    assert latest_in_run_dir(str(tmp_path))[1].endswith("checkpoint_00000120")
+    assert latest_in_run_dir(str(tmp_path / "checkpoint_00000016"))[1].endswith("checkpoint_00000016")
     with pytest.raises(FileNotFoundError, match="run.resume"):
         latest_in_run_dir(str(tmp_path / "model"))
     assert TrainerState.from_dict({"step": 3, "unknown": 1}).step == 3

@@ -5,6 +5,12 @@ Layout of one checkpoint (``<run dir>/checkpoint_00000125``)::
     trainer_state.json                 step, epoch, tokens, fit_id, data_state (rank 0 writes it)
     deepspeed/step_125/...             model/optimizer/LR-scheduler shards of *every* rank
     deepspeed/latest                   "step_125"
+    manifest.json                      every file above with its size, the world size and ZeRO stage
+
+A checkpoint is *complete* when its ``manifest.json`` exists and every file it lists is there with
+its size (:func:`checkpoint_problem`). Resume only ever loads a complete one: when the newest was cut
+off (a node died while Ray Train copied it), the previous complete one is used, with a warning; when
+none is complete, the run fails rather than starting over.
 
 Each rank writes its DeepSpeed shard files into its own temporary directory and passes it to
 ``ray.train.report(checkpoint=...)``; Ray Train merges the ranks' files into one directory in
@@ -20,8 +26,14 @@ Resume (``run.resume``):
 * ``<path>``: a checkpoint directory (or a run directory: its newest ``checkpoint_*``) to start from
   when this run has none of its own yet.
 
-``data_state`` is a placeholder dict for exactly-once data resumption (a later issue); today a
-resumed run restarts the stream of the saved epoch from its beginning.
+``data_state`` is the feeder's :class:`~pipelines.resume.DataState` stamped with the stream's
+fingerprint. :func:`resume_data_state` (rank 0, before the feeder starts) and :func:`check_resume`
+(the driver, before the workers start) refuse a state that cannot be read or was taken in another
+stream, naming what changed, unless ``run.on_data_change: restart``.
+
+A change of the data-parallel world size with ZeRO (stage >= 1: optimizer state is partitioned per
+rank) is refused before training, naming the ``scaling.num_workers`` to resume with
+(:func:`check_world_size`); ZeRO-0 checkpoints resume at any world size.
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ from pipelines.train.step import TrainEngine
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+MANIFEST = "manifest.json"
 DS_SUBDIR = "deepspeed"
 _CKPT_RE = re.compile(r"^checkpoint_(\d+)$")
 
@@ -75,10 +88,34 @@ def save_local(te: TrainEngine, directory: str, state: TrainerState) -> None:
             json.dump(asdict(state), f, indent=2)
 
 
+def saved_layout(directory: str) -> tuple[int | None, int]:
+    """``(world size, ZeRO stage)`` a checkpoint was saved with (from its manifest)."""
+    with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
+        manifest = json.load(f)
+    return manifest.get("world_size"), int(manifest.get("zero_stage") or 0)
+
+
+def check_world_size(world_size: int, directory: str) -> None:
+    """Refuse a ZeRO (stage >= 1) checkpoint saved with another data-parallel world size, saying what to run.
+
+    DeepSpeed partitions the optimizer state per rank at stages 1-3 and cannot load it at another
+    world size; stage 0 checkpoints load at any world size (the data side never depends on it).
+    """
+    saved, stage = saved_layout(directory)
+    if not stage or saved == world_size:
+        return
+    raise CheckpointError(
+        f"checkpoint {directory} was saved by {saved} workers with ZeRO stage {stage}, and this run has "
+        f"{world_size}: DeepSpeed's per-rank optimizer partitions cannot be loaded at another world size. "
+        f"Run the same command with scaling.num_workers={saved} to resume (see README, 'Resume')."
+    )
+
+
 def load_local(te: TrainEngine, directory: str) -> TrainerState:
     """Restore model, optimizer, LR scheduler (DeepSpeed) and trainer state from a merged checkpoint dir."""
     with open(os.path.join(directory, STATE_FILE), encoding="utf-8") as f:
         state = TrainerState.from_dict(json.load(f))
+    check_world_size(te.world_size, directory)
     path, _ = te.engine.load_checkpoint(
         os.path.join(directory, DS_SUBDIR), tag=f"step_{state.step}",
         load_optimizer_states=True, load_lr_scheduler_states=True,
@@ -88,6 +125,37 @@ def load_local(te: TrainEngine, directory: str) -> TrainerState:
     return state
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from; the message says why and what to do."""
+
+
+def _local_files(directory: str) -> dict[str, int]:
+    """``{relative path: size}`` of every file under ``directory``."""
+    out = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            full = os.path.join(root, name)
+            out[os.path.relpath(full, directory).replace(os.sep, "/")] = os.path.getsize(full)
+    return out
+
+
+def write_manifest(te: TrainEngine, directory: str) -> None:
+    """Rank 0 writes ``manifest.json``: the files of every rank's part (collective)."""
+    import torch.distributed as dist
+
+    mine = _local_files(directory)
+    parts = [mine]
+    if te.world_size > 1:
+        parts = [None] * te.world_size
+        dist.all_gather_object(parts, mine)
+    if te.rank != 0:
+        return
+    files = {k: v for part in parts for k, v in part.items()}
+    manifest = {"files": files, "world_size": te.world_size, "zero_stage": te.engine.zero_optimization_stage()}
+    with open(os.path.join(directory, MANIFEST), "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+
+
 def report_checkpoint(te: TrainEngine, state: TrainerState, metrics: dict[str, Any]) -> str:
     """Save and hand the checkpoint to Ray Train (a barrier across ranks); returns its directory name."""
     import ray.train
@@ -95,41 +163,103 @@ def report_checkpoint(te: TrainEngine, state: TrainerState, metrics: dict[str, A
     name = checkpoint_dir_name(state.step)
     with tempfile.TemporaryDirectory(prefix="pipelines-ckpt-") as tmp:
         save_local(te, tmp, state)
+        write_manifest(te, tmp)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name)
     return name
 
 
-def latest_in_run_dir(path: str) -> str:
-    """``path`` itself if it is a checkpoint, else its newest ``checkpoint_*`` child (local or URL)."""
+def read_json(fs: Any, path: str) -> dict[str, Any]:
+    """A JSON file through a pyarrow filesystem."""
+    with fs.open_input_stream(path) as f:
+        return json.loads(f.read().decode())
+
+
+def checkpoint_problem(fs: Any, root: str) -> str | None:
+    """Why the checkpoint at ``root`` (a path in ``fs``) is incomplete, or ``None`` when it is complete."""
     import pyarrow.fs as pafs
 
-    fs, root = pafs.FileSystem.from_uri(path)
-    if fs.get_file_info(f"{root}/{STATE_FILE}").type == pafs.FileType.File:
-        return path
-    infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
-    steps = sorted((int(m.group(1)), i.base_name) for i in infos if (m := _CKPT_RE.match(i.base_name)))
+    try:
+        manifest = read_json(fs, f"{root}/{MANIFEST}")
+    except (OSError, ValueError) as err:
+        return f"no readable {MANIFEST} ({type(err).__name__})"
+    listed = manifest.get("files") or {}
+    if STATE_FILE not in listed:
+        return f"{MANIFEST} lists no {STATE_FILE}"
+    infos = fs.get_file_info([f"{root}/{rel}" for rel in listed])
+    for (rel, size), info in zip(listed.items(), infos, strict=True):
+        if info.type != pafs.FileType.File:
+            return f"{rel} is missing"
+        if info.size != size:
+            return f"{rel} has {info.size} bytes, {size} were written"
+    return None
+
+
+def checkpoint_steps(fs: Any, run_root: str) -> list[tuple[int, str]]:
+    """``[(step, path)]`` of the ``checkpoint_*`` directories under ``run_root``, newest first."""
+    import pyarrow.fs as pafs
+
+    infos = fs.get_file_info(pafs.FileSelector(run_root, allow_not_found=True))
+    return sorted(((int(m.group(1)), i.path) for i in infos
+                   if i.type == pafs.FileType.Directory and (m := _CKPT_RE.match(i.base_name))), reverse=True)
+
+
+def newest_complete(fs: Any, candidate: str) -> str:
+    """``candidate`` when complete, else the newest complete older sibling (with a warning); raises if none."""
+    problem = checkpoint_problem(fs, candidate)
+    if problem is None:
+        return candidate
+    parent, name = candidate.rstrip("/").rsplit("/", 1)
+    m = _CKPT_RE.match(name)
+    limit = int(m.group(1)) if m else 1 << 62
+    skipped = [f"{name}: {problem}"]
+    for step, path in checkpoint_steps(fs, parent):
+        if step >= limit:
+            continue
+        why = checkpoint_problem(fs, path)
+        if why is None:
+            msg = (f"checkpoint {candidate} is incomplete ({problem}); resuming from the previous complete "
+                   f"checkpoint {path} instead")
+            logger.warning(msg)
+            print(f"WARNING: {msg}", file=sys.__stderr__, flush=True)
+            return path
+        skipped.append(f"{path.rsplit('/', 1)[-1]}: {why}")
+    raise CheckpointError(f"no complete checkpoint to resume from under {parent}: " + "; ".join(skipped)
+                          + ". Set run.resume=never (or a new run.name) to start over.")
+
+
+def latest_in_run_dir(path: str, storage: Any = None) -> tuple[Any, str]:
+    """``(fs, path)`` of ``path`` itself if it is a checkpoint, else of its newest complete ``checkpoint_*``."""
+    import pyarrow.fs as pafs
+
+    from pipelines.storage import StorageOptions, filesystem_for
+
+    fs, root = filesystem_for(path, StorageOptions.from_config(storage))
+    root = root.rstrip("/")
+    if fs.get_file_info(f"{root}/{STATE_FILE}").type == pafs.FileType.File or _CKPT_RE.match(root.rsplit("/", 1)[-1]):
+        return fs, newest_complete(fs, root)
+    steps = checkpoint_steps(fs, root)
     if not steps:
         raise FileNotFoundError(f"run.resume: no {STATE_FILE} or checkpoint_* under {path}")
-    return f"{path.rstrip('/')}/{steps[-1][1]}"
+    return fs, newest_complete(fs, steps[0][1])
 
 
-def restore(te: TrainEngine, resume: str, fit_id: str) -> TrainerState:
+def restore(te: TrainEngine, resume: str, fit_id: str, storage: Any = None) -> TrainerState:
     """Apply ``run.resume`` (see the module docstring); returns the state to continue from."""
     import ray.train
 
     ckpt = ray.train.get_checkpoint()
     source = None
     if ckpt is not None:
-        with ckpt.as_directory() as d:
-            with open(os.path.join(d, STATE_FILE), encoding="utf-8") as f:
-                saved_fit = json.load(f).get("fit_id", "")
-            if resume == "never" and saved_fit != fit_id:
-                logger.warning("run.resume=never: ignoring the run directory's checkpoint %s", ckpt.path)
-            else:
-                source = ckpt
+        path = newest_complete(ckpt.filesystem, ckpt.path)
+        saved_fit = read_json(ckpt.filesystem, f"{path}/{STATE_FILE}").get("fit_id", "")
+        if resume == "never" and saved_fit != fit_id:
+            logger.warning("run.resume=never: ignoring the run directory's checkpoint %s", ckpt.path)
+        else:
+            source = ray.train.Checkpoint(path, filesystem=ckpt.filesystem)
     elif resume not in ("auto", "never"):
         path = resume if "://" in resume else os.path.abspath(os.path.expanduser(resume))
-        source = ray.train.Checkpoint(latest_in_run_dir(path))
+        fs, inner = latest_in_run_dir(path, storage)
+        source = ray.train.Checkpoint(inner, filesystem=fs)
     if source is None:
         return TrainerState(fit_id=fit_id)
     with source.as_directory() as d:
@@ -138,3 +268,87 @@ def restore(te: TrainEngine, resume: str, fit_id: str) -> TrainerState:
         print(f"resumed from {source.path} at step {state.step} (epoch {state.epoch})", file=sys.__stdout__, flush=True)
     state.fit_id = fit_id  # later checkpoints belong to this fit()
     return state
+
+
+# --------------------------------------------------------------------------- the data position
+
+
+def data_state_problem(saved: dict[str, Any], step: int, fingerprint: dict[str, Any]) -> str | None:
+    """Why ``saved`` (a checkpoint's data_state at ``step``) cannot continue the current stream, or None."""
+    from pipelines.resume import DataState, DataStateError, fingerprint_changes
+
+    if not saved:
+        return None if step == 0 else f"the checkpoint at step {step} has no data position"
+    try:
+        state = DataState.from_dict(saved)
+    except DataStateError as err:
+        return str(err)
+    if not state.fingerprint:
+        return "the data position has no fingerprint of its stream"
+    changes = fingerprint_changes(state.fingerprint, fingerprint)
+    if changes:
+        return "the training stream changed since the checkpoint: " + "; ".join(changes)
+    return None
+
+
+def _refusal(problem: str, where: str) -> str:
+    return (f"cannot resume the data position of {where}: {problem}. Continuing would train on a different "
+            "stream than the ledger and the saved position describe. Undo the change, or set "
+            "run.on_data_change=restart to keep the weights and restart the data at the start of the current "
+            "epoch, or run.resume=never / a new run.name to start over.")
+
+
+def resume_data_state(cfg: Any, state: TrainerState, fingerprint: dict[str, Any], ledger: Any) -> dict | None:
+    """The data state to start the feeder from (rank 0, before training); refuses or restarts on a change.
+
+    ``None``: a fresh start (no checkpoint). With ``run.on_data_change: restart`` a mismatch gives
+    :meth:`DataState.restart` at the checkpoint's step and epoch, logged loudly and marked in the ledger.
+    """
+    from pipelines.resume import DataState
+
+    problem = data_state_problem(state.data_state, state.step, fingerprint)
+    if problem is None:
+        return state.data_state or None
+    if cfg.run.on_data_change != "restart":
+        raise CheckpointError(_refusal(problem, f"step {state.step}"))
+    banner = (f"DATA RESTART (run.on_data_change=restart): {problem}. Keeping the weights of step {state.step}; "
+              f"the data restarts at the start of epoch {state.epoch}; samples already trained on may repeat.")
+    logger.warning(banner)
+    print("!" * 80 + f"\nWARNING: {banner}\n" + "!" * 80, file=sys.__stdout__, flush=True)
+    if ledger is not None:
+        ledger.mark_restart(state.step, problem)
+    return DataState.restart(state.epoch, state.step).to_dict()
+
+
+def stamp(data_state: dict[str, Any], fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """The feeder's data state with the stream's fingerprint added (what a checkpoint stores)."""
+    return {**data_state, "fingerprint": fingerprint}
+
+
+def check_resume(cfg: Any, fingerprint: dict[str, Any]) -> None:
+    """Driver side, before any worker starts: refuse the checkpoint this run would resume from when its
+    data position does not fit the configured stream (same rules as :func:`resume_data_state`)."""
+    import pyarrow.fs as pafs
+
+    from pipelines.storage import StorageOptions, filesystem_for
+    from pipelines.train.storage import run_dir
+
+    if cfg.run.resume == "never" or cfg.run.on_data_change == "restart":
+        return
+    if cfg.run.resume == "auto":
+        fs, root = filesystem_for(run_dir(cfg), StorageOptions.from_config(cfg.storage))
+        steps = checkpoint_steps(fs, root.rstrip("/"))
+        if not steps:
+            return
+        path = newest_complete(fs, steps[0][1])
+    else:
+        target = cfg.run.resume
+        if "://" not in target:
+            target = os.path.abspath(os.path.expanduser(target))
+        fs, path = latest_in_run_dir(target, cfg.storage)
+    if fs.get_file_info(f"{path}/{STATE_FILE}").type != pafs.FileType.File:
+        return
+    saved = TrainerState.from_dict(read_json(fs, f"{path}/{STATE_FILE}"))
+    problem = data_state_problem(saved.data_state, saved.step, fingerprint)
+    if problem is not None:
+        raise CheckpointError(_refusal(problem, path))

@@ -32,9 +32,14 @@ from typing import Literal
 
 import numpy as np
 import torch
-from ray.data.collate_fn import NumpyBatchCollateFn
 
-IGNORE_INDEX = -100
+try:  # Ray Data's marker base class; without Ray (benchmarks/gpu_check.py on a bare GPU box) a plain object
+    from ray.data.collate_fn import NumpyBatchCollateFn
+except ImportError:  # pragma: no cover - exercised by tests/test_gpu_check.py with Ray blocked
+    NumpyBatchCollateFn = object  # type: ignore[assignment,misc]
+
+from pipelines.tokenizer import IGNORE_INDEX
+
 CollateMode = Literal["mask", "flatten"]
 
 

@@ -21,11 +21,21 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 from typing import Any
 
 from pipelines.config import Config, config_from_dict
-from pipelines.train.checkpoint import TrainerState, checkpoint_dir_name, report_checkpoint, restore
+from pipelines.seeds import local_shuffle_seed
+from pipelines.storage import StorageOptions
+from pipelines.train.checkpoint import (
+    TrainerState,
+    checkpoint_dir_name,
+    report_checkpoint,
+    restore,
+    resume_data_state,
+    stamp,
+)
 from pipelines.train.export import export_hf_model
 from pipelines.train.faults import maybe_fail
 from pipelines.train.feed import StepFeed, share_feeder
@@ -39,7 +49,7 @@ from pipelines.train.step import (
     init_distributed,
     train_step,
 )
-from pipelines.train.storage import OutputDir, is_remote, run_dir, storage_filesystem
+from pipelines.train.storage import OutputDir, is_remote, run_dir
 
 
 def payload(cfg: Config, fit_id: str, has_eval: bool, feed: bool = False) -> dict[str, Any]:
@@ -64,27 +74,42 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         device = ray.train.torch.get_device()
     init_distributed(cfg.scaling.use_gpu, device)
     te = build_engine(cfg)
-    state = restore(te, cfg.run.resume, config["fit_id"])
+    state = restore(te, cfg.run.resume, config["fit_id"], cfg.storage)
     eval_shard = ray.train.get_dataset_shard("eval") if config.get("has_eval") else None
+    fingerprint: dict[str, Any] = {}
     if config.get("feed"):
         rows_per_rank = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps
-        feeder = share_feeder(cfg, te.rank, te.world_size, rows_per_rank, state.data_state or None,
-                              f"{run_dir(cfg)}/ledger")
+        ledger_root = f"{run_dir(cfg)}/ledger"
+        data_state = None
+        if te.rank == 0:  # the feeder's position: checked against the stream before any training
+            from pipelines.resume import Ledger, stream_fingerprint
+            from pipelines.storage import StorageOptions, filesystem_for
+
+            fingerprint = stream_fingerprint(cfg)
+            ledger = Ledger(*filesystem_for(ledger_root, StorageOptions.from_config(cfg.storage)))
+            data_state = resume_data_state(cfg, state, fingerprint, ledger)
+        feeder = share_feeder(cfg, te.rank, te.world_size, rows_per_rank, data_state, ledger_root)
         train = StepFeed(feeder, te.rank, cfg.train.micro_batch_size, te.collate_fn())
     else:
         train = ray.train.get_dataset_shard("train")
-    WorkerLoop(cfg, te, state, train, eval_shard).run()
+    WorkerLoop(cfg, te, state, train, eval_shard, fingerprint).run()
+
+
+class NoTrainingData(RuntimeError):
+    """The stream ended while ``train.max_steps`` / ``train.epochs`` says steps remain."""
 
 
 class WorkerLoop:
     """The epoch/step loop of one worker and its periodic side jobs (log, eval, checkpoint)."""
 
-    def __init__(self, cfg: Config, te: TrainEngine, state: TrainerState, train_shard, eval_shard=None):
+    def __init__(self, cfg: Config, te: TrainEngine, state: TrainerState, train_shard, eval_shard=None,
+                 fingerprint: dict[str, Any] | None = None):
         self.cfg, self.te, self.state = cfg, te, state
+        self.fingerprint = fingerprint or {}  # of the row stream, stamped on every data state (rank 0)
         self.train_shard, self.eval_shard = train_shard, eval_shard
         self.run_dir = run_dir(cfg)
-        fs = storage_filesystem(cfg)
-        self.out = OutputDir(self.run_dir, fs) if te.rank == 0 else None
+        self.storage = StorageOptions.from_config(cfg.storage)
+        self.out = OutputDir(self.run_dir, self.storage) if te.rank == 0 else None
         self.metrics = MetricsWriter(self.out)
         self.window = Window()
         self.last_record: dict[str, Any] = {}
@@ -92,8 +117,9 @@ class WorkerLoop:
         self.last_checkpoint: str | None = None
         self.checkpointed_step = -1
         self.steps_this_fit = 0
-        self.fs = fs
-        self.local_run_dir = None if is_remote(self.run_dir) else self.run_dir  # for fault-injection markers
+        # Fault-injection markers (tests): the run directory, or for object-store runs a local folder of this fit.
+        self.fault_dir = (os.path.join(tempfile.gettempdir(), "pipelines-faults", state.fit_id)
+                          if is_remote(self.run_dir) else os.path.join(self.run_dir, ".faults"))
 
     # ----------------------------------------------------------------- main loop
 
@@ -107,8 +133,7 @@ class WorkerLoop:
         while not self._done():
             steps = self._epoch()
             if steps == 0:
-                self._print(f"epoch {self.state.epoch}: the training stream yielded no rows; stopping")
-                break
+                raise NoTrainingData(self._no_rows_message())
             if not self._hit_max_steps():
                 self.state.epoch += 1
         if self.steps_this_fit and self.checkpointed_step != self.state.step:
@@ -137,8 +162,7 @@ class WorkerLoop:
             self.state.tokens += stats.tokens
             self.window.add(stats)
             step = self.state.step
-            if self.local_run_dir:
-                maybe_fail(step, self.te.rank, self.te.world_size, os.path.join(self.local_run_dir, ".faults"))
+            maybe_fail(step, self.te.rank, self.te.world_size, self.fault_dir)
             if step % train.log_every_steps == 0 or self._hit_max_steps():
                 self._log()
             if train.eval_every_steps and self.eval_shard is not None and step % train.eval_every_steps == 0:
@@ -169,8 +193,17 @@ class WorkerLoop:
             collate_fn=self.te.collate_fn(),
             prefetch_batches=train.prefetch_batches,
             local_shuffle_buffer_size=max(buffer, train.micro_batch_size) if buffer else None,
-            local_shuffle_seed=self.cfg.data.shuffle_seed + 1009 * epoch + self.te.rank if buffer else None,
+            local_shuffle_seed=local_shuffle_seed(self.cfg.data.shuffle_seed, epoch, self.te.rank) if buffer else None,
         )
+
+    def _no_rows_message(self) -> str:
+        """Why a run that still has steps to take got none (an error: never reported as a success)."""
+        t = self.cfg.train
+        goal = f"train.max_steps={t.max_steps}" if t.max_steps is not None else f"train.epochs={t.epochs}"
+        return (f"epoch {self.state.epoch}: the training stream yielded no rows at step {self.state.step}, "
+                f"but {goal} says training is not done ({self.steps_this_fit} steps trained in this run). "
+                "The data is empty, or the saved data position is at its end; nothing more was recorded "
+                "as trained.")
 
     def _hit_max_steps(self) -> bool:
         return self.cfg.train.max_steps is not None and self.state.step >= self.cfg.train.max_steps
@@ -202,7 +235,7 @@ class WorkerLoop:
         if isinstance(self.train_shard, StepFeed) and self.te.rank == 0:
             # The data position after the last step, counted in source samples; the feeder also
             # writes these steps to the ledger.
-            self.state.data_state = self.train_shard.commit()
+            self.state.data_state = stamp(self.train_shard.commit(), self.fingerprint)
         self.metrics.sync()
         name = report_checkpoint(self.te, self.state, self._report_metrics())
         self.last_checkpoint = f"{self.run_dir}/{name}"
@@ -220,7 +253,7 @@ class WorkerLoop:
         ray.train.report(self._report_metrics())
 
     def _export(self) -> str:
-        out = OutputDir(f"{self.run_dir}/model", self.fs) if self.te.rank == 0 else None
+        out = OutputDir(f"{self.run_dir}/model", self.storage) if self.te.rank == 0 else None
         export_hf_model(self.te, out)
         return f"{self.run_dir}/model"
 

@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from pipelines.stats import packing_efficiency
 from pipelines.train.step import StepStats
 from pipelines.train.storage import OutputDir
 
@@ -66,7 +67,7 @@ class Window:
             "tokens_per_s": self.tokens / max(self.time_s, 1e-9),
             "supervised_tokens": self.supervised / self.steps,
             "tokens": self.tokens,
-            "packing_efficiency": self.tokens / max(self.rows * sequence_len, 1),
+            "packing_efficiency": packing_efficiency(self.tokens, self.rows * sequence_len) or 0.0,
             "data_wait_pct": 100.0 * wait_s / max(time_s, 1e-9),
             "step_time_s": self.time_s / self.steps,
         }

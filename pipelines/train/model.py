@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pipelines.config import ModelConfig, ModelInit
+from pipelines.tokenizer import load_tokenizer  # noqa: F401  (re-exported: workers import it from here)
 from pipelines.train.collate import CollateMode
 
 if TYPE_CHECKING:
@@ -44,22 +45,6 @@ def resolve_attn_implementation(requested: str, use_gpu: bool) -> str:
 def collate_mode_for(attn_implementation: str) -> CollateMode:
     """flash-attention-2 reads sample boundaries from position_ids; everything else needs the 4D mask."""
     return "flatten" if attn_implementation == "flash_attention_2" else "mask"
-
-
-def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
-    """``model.tokenizer`` (or ``name_or_path``), with ``demo://tokenizer`` resolved to the local demo copy."""
-    from transformers import AutoTokenizer
-
-    from pipelines.demo import resolve_demo_path
-
-    if model_cfg.trust_remote_code:
-        logger.warning("model.trust_remote_code is on: code shipped with %s will run", model_cfg.tokenizer_path)
-    tok = AutoTokenizer.from_pretrained(
-        resolve_demo_path(model_cfg.tokenizer_path), trust_remote_code=model_cfg.trust_remote_code
-    )
-    if tok.pad_token_id is None:  # e.g. Llama/GPT-2 tokenizers; padding never reaches the loss anyway
-        tok.pad_token = tok.eos_token
-    return tok
 
 
 def init_config(init: ModelInit, tokenizer: PreTrainedTokenizerBase):  # -> PretrainedConfig

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from pipelines.config import Config, ConfigError
 from pipelines.train.deepspeed_config import resolve_deepspeed_config
 from pipelines.train.loop import payload, train_loop_per_worker
-from pipelines.train.storage import is_remote, storage_filesystem, storage_root
+from pipelines.train.storage import is_remote, ray_storage, storage_root
 
 if TYPE_CHECKING:
     import ray.data
@@ -76,14 +76,20 @@ def build_trainer(
         from pipelines.dataset import build_dataset
 
         eval_dataset = build_dataset(cfg, split="eval")
+    if feed:  # refuse a checkpoint whose data position does not fit this stream, before any worker starts
+        from pipelines.resume import stream_fingerprint
+        from pipelines.train.checkpoint import check_resume
+
+        check_resume(cfg, stream_fingerprint(cfg))
     datasets: dict[str, Any] = {} if feed else {"train": train_dataset}
     if eval_dataset is not None:
         datasets["eval"] = eval_dataset
     use_gpu = cfg.scaling.use_gpu
+    storage_path, storage_filesystem = ray_storage(cfg)
     run_config = ray.train.RunConfig(
         name=cfg.run.name,
-        storage_path=storage_root(cfg),
-        storage_filesystem=storage_filesystem(cfg),
+        storage_path=storage_path,
+        storage_filesystem=storage_filesystem,
         failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
         worker_runtime_env=_worker_env(use_gpu),

@@ -1,0 +1,231 @@
+"""Reading MDS shards (``format: mds``): fetched whole, checked, decoded in memory, streamed as records.
+
+A read task fetches each shard (retried, size- and hash-checked against ``index.json``), decompresses
+and decodes it with mosaic's own code and streams the samples on as JSON records; nothing touches
+local disk. Sample ids are ``(shard's source index << 40) | sample index in the shard``, stable while
+the index is unchanged. Column values become JSON: numpy arrays become lists, numpy scalars numbers,
+``bytes`` UTF-8 text.
+
+**Pre-tokenized shards** hold ``input_ids`` (optionally ``labels``), or llm-foundry's concat-tokens
+``tokens`` column (``ndarray``, or legacy ``bytes`` of int64); their records skip formatting and
+tokenization (see :class:`pipelines.tokenize.Tokenizer`). A set written by ``ray_jobs/convert.py
+--tokenize`` carries ``tokenized.json`` next to ``index.json``; :func:`check_tokenized_sources`
+refuses it under a different tokenizer.
+"""
+
+from __future__ import annotations
+
+import decimal
+import json
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow.fs as pafs
+
+from pipelines import mosaic
+from pipelines.config import Config
+from pipelines.mds_index import (
+    HASH_PREFERENCE,
+    TOKEN_COLUMNS,
+    TOKENIZED_META,
+    MDSError,
+    read_tokenized_meta,
+    shard_name,
+)
+from pipelines.records import pack_array
+from pipelines.sources import SourceFile, SourceTable
+from pipelines.storage import StorageOptions, with_retries
+from pipelines.tokenizer import tokenizer_fingerprint
+from pipelines.units import Cursor
+
+log = logging.getLogger(__name__)
+
+
+def _verify_hash(data: bytes, info: dict[str, Any], label: str) -> None:
+    """Check one listed hash (the fastest known one) of the bytes as fetched."""
+    hashes = info.get("hashes") or {}
+    algo = next((a for a in HASH_PREFERENCE if a in hashes), None) or next((a for a in sorted(hashes) if mosaic.hashing.is_hash(a)), None)
+    if algo is None:
+        return
+    got = mosaic.hashing.get_hash(algo, data)
+    if got != hashes[algo]:
+        raise MDSError(f"{label}: {algo} hash mismatch (index.json says {hashes[algo]}, the file hashes to {got}); "
+                       "the shard is corrupt or was replaced")
+
+
+def _fetch(fs: pafs.FileSystem, path: str, expected: int, label: str) -> bytes:
+    """The whole file; a short read (connection cut) raises OSError so the caller retries."""
+    try:
+        f = fs.open_input_file(path)
+    except FileNotFoundError:
+        raise MDSError(f"{label}: listed in index.json but missing ({path})") from None
+    with f:
+        size = f.size()
+        if expected and size != expected:
+            raise MDSError(f"{label}: the file is {size} bytes but index.json says {expected} (truncated or overwritten)")
+        data = f.read()
+    if len(data) != size:
+        raise OSError(f"short read: {len(data)} of {size} bytes (connection cut?)")
+    return data
+
+
+def fetch_shard(fs: pafs.FileSystem, file: SourceFile) -> bytes:
+    """A shard's uncompressed bytes: fetched (with retries), hash-verified and decompressed in memory."""
+    meta = json.loads(file.meta)
+    shard, opts = meta["shard"], StorageOptions(**meta["storage"])
+    label = f"MDS dataset {meta['root']}: shard {shard_name(shard)}"
+    zip_info, raw_info = shard.get("zip_data"), shard["raw_data"]
+    info = zip_info or raw_info
+    data = with_retries(lambda: _fetch(fs, file.path, int(info.get("bytes", 0)), label), f"{label}: fetching", opts, file.url)
+    _verify_hash(data, info, label)
+    if zip_info:
+        try:
+            data = mosaic.compression.decompress(shard["compression"], data)
+        except Exception as err:  # zstd/gzip/... each raise their own error types
+            raise MDSError(f"{label}: cannot decompress ({shard['compression']}): {err}") from None
+    if len(data) != raw_info.get("bytes", len(data)):
+        raise MDSError(f"{label}: decompressed to {len(data)} bytes but index.json says {raw_info['bytes']}")
+    return data
+
+
+class MemoryShard:
+    """An MDS shard held in memory, decoded sample by sample as mosaic's ``MDSReader.decode_sample``
+    does (layout: sample count, n+1 offsets, config, samples; a sample is the uint32 sizes of its
+    variable-size columns, then each column's bytes in column order), with mosaic's ``mds_decode``.
+    Not ``MDSReader`` itself: importing it imports torch (see :mod:`pipelines.mosaic`)."""
+
+    def __init__(self, raw: bytes, offsets: np.ndarray, names: list[str], encodings: list[str],
+                 sizes: list[int | None]) -> None:
+        self.raw, self.offsets = raw, offsets
+        self.columns = list(zip(names, encodings, sizes, strict=True))
+
+    @classmethod
+    def from_bytes(cls, shard: dict[str, Any], raw: bytes, label: str) -> MemoryShard:
+        """Check the shard header against the index and wrap ``raw``."""
+        if len(raw) < 4:
+            raise MDSError(f"{label}: shard too short ({len(raw)} bytes) to hold an MDS header")
+        n = int(np.frombuffer(raw, np.uint32, count=1)[0])
+        if n != shard["samples"] or len(raw) < 4 * (n + 2):
+            raise MDSError(f"{label}: shard header says {n} samples, index.json says {shard['samples']}")
+        offsets = np.frombuffer(raw, np.uint32, count=n + 1, offset=4).astype(np.int64)
+        if offsets[-1] != len(raw) or (np.diff(offsets) < 0).any():
+            raise MDSError(f"{label}: corrupt sample offsets (ends at {offsets[-1]}, shard has {len(raw)} bytes)")
+        names, encs = shard["column_names"], shard["column_encodings"]
+        sizes = shard.get("column_sizes") or [mosaic.encodings.get_mds_encoded_size(e) for e in encs]
+        return cls(raw, offsets, names, encs, sizes)
+
+    def get_item(self, idx: int) -> dict[str, Any]:
+        """Sample ``idx`` as mosaic decodes it, e.g. ``{"text": "...", "tokens": array([...])}``."""
+        data = self.raw[self.offsets[idx] : self.offsets[idx + 1]]
+        pos, sizes = 0, []
+        for _, _, size in self.columns:
+            if not size:
+                size = int(np.frombuffer(data, np.uint32, count=1, offset=pos)[0])
+                pos += 4
+            sizes.append(size)
+        sample = {}
+        for (name, enc, _), size in zip(self.columns, sizes, strict=True):
+            if pos + size > len(data):
+                raise ValueError(f"column {name!r} runs past the end of the sample ({pos + size} > {len(data)} bytes)")
+            sample[name] = mosaic.encodings.mds_decode(enc, data[pos : pos + size])
+            pos += size
+        return sample
+
+
+def _token_array(value: Any, column: str) -> Any:
+    """A token column as a numpy array; legacy ``bytes`` hold int64 ids (llm-foundry's default)."""
+    if isinstance(value, bytes | bytearray):
+        if len(value) % 8:
+            raise ValueError(f"column {column!r}: {len(value)} bytes is not a whole number of int64 token ids")
+        return np.frombuffer(value, np.int64)
+    return value
+
+
+def sample_to_record(sample: dict[str, Any]) -> dict[str, Any]:
+    """Map a decoded MDS sample to the pipeline's record: llm-foundry's ``tokens`` becomes ``input_ids``.
+
+    Example: ``{"tokens": array([464, 2068], dtype=int32)}`` -> ``{"input_ids": array([464, 2068])}``.
+    """
+    rec = dict(sample)
+    if "input_ids" not in rec and "tokens" in rec:
+        rec["input_ids"] = rec.pop("tokens")
+    for col in TOKEN_COLUMNS:
+        if col in rec:
+            rec[col] = _token_array(rec[col], col)
+    return rec
+
+
+def _jsonable(obj: Any) -> Any:
+    """``json.dumps`` default: numpy values, UTF-8 bytes and decimals; anything else is an error."""
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, bytes | bytearray):
+        try:
+            return obj.decode("utf-8")
+        except UnicodeDecodeError:
+            raise TypeError(f"{len(obj)} bytes that are not UTF-8 text") from None
+    if isinstance(obj, decimal.Decimal):
+        return str(obj)
+    raise TypeError(f"a {type(obj).__name__} value, which has no JSON form")
+
+
+def read_mds(fs: pafs.FileSystem, file: SourceFile, bad: Callable[[str, str], None],
+             cursor: Cursor | None = None) -> Iterator[tuple[int, str, int, int]]:
+    """The reader for ``format: mds``: one shard (``file``) -> ``(row, JSON record, -1, -1)`` per sample.
+
+    Resuming at ``cursor.row`` decodes from that sample on (the shard is fetched whole either way).
+    """
+    meta = json.loads(file.meta)
+    shard = meta["shard"]
+    label = f"MDS dataset {meta['root']}: shard {shard_name(shard)}"
+    reader = MemoryShard.from_bytes(shard, fetch_shard(fs, file), label)
+    for row in range(cursor.row if cursor else 0, shard["samples"]):
+        try:
+            rec = sample_to_record(reader.get_item(row))
+            for col in TOKEN_COLUMNS:  # compact: base64 of the raw ids (pipelines.records)
+                if isinstance(rec.get(col), np.ndarray) and rec[col].dtype.kind in "iu" and rec[col].ndim == 1:
+                    rec[col] = pack_array(rec[col])
+            text = json.dumps(rec, ensure_ascii=False, default=_jsonable)
+        except Exception as err:  # a value mosaic cannot decode, or one with no JSON form
+            bad(f"{label} row {row}", f"cannot decode the sample: {err}")
+            continue
+        yield row, text, -1, -1
+
+
+def _mds_roots(table: SourceTable) -> dict[str, tuple[int, list[str]]]:
+    """MDS dataset URL -> (dataset index, column names of its first shard)."""
+    roots: dict[str, tuple[int, list[str]]] = {}
+    for f in table.files:
+        if f.format == "mds" and f.meta:
+            meta = json.loads(f.meta)
+            roots.setdefault(meta["root"], (f.dataset_index, list(meta["shard"].get("column_names", []))))
+    return roots
+
+
+def check_tokenized_sources(cfg: Config, table: SourceTable) -> None:
+    """Refuse a pre-tokenized MDS set made with another tokenizer than ``model.tokenizer``, naming both.
+
+    Sets without ``tokenized.json`` (llm-foundry's) cannot be checked: a warning says so, and the
+    tokenizer actors still reject ids outside the vocabulary.
+    """
+    mine: dict[str, str] | None = None
+    for url, (_, columns) in _mds_roots(table).items():
+        made = read_tokenized_meta(url, table.storage)
+        if made is None:
+            if set(columns) & set(TOKEN_COLUMNS):
+                log.warning("MDS dataset %s holds token ids but no %s: cannot check it was tokenized with %r",
+                            url, TOKENIZED_META, cfg.model.tokenizer_path)
+            continue
+        mine = mine or tokenizer_fingerprint(cfg.model)
+        theirs = made.get("tokenizer") or {}
+        if theirs.get("sha256") != mine["sha256"]:
+            raise MDSError(
+                f"MDS dataset {url} was tokenized with tokenizer {theirs.get('name')!r} "
+                f"(tokenizer.json sha256 {str(theirs.get('sha256'))[:12]}), but model.tokenizer is {mine['name']!r} "
+                f"(sha256 {mine['sha256'][:12]}); re-run ray_jobs/convert.py --tokenize with this tokenizer, "
+                "or set model.tokenizer to the one the set was made with"
+            )

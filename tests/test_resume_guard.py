@@ -1,0 +1,213 @@
+"""Resume never continues into a different stream unnoticed, never from a cut-off checkpoint, and never
+reports "trained 0 steps" as a success.
+
+The unit tests need no Ray: the stream fingerprint against the config changes that were measured to
+lose and repeat samples (pack_buffer_size 64->32, sequence_len 512->256, another shuffle_seed), the
+strict DataState reader, checkpoint completeness, the world-size guard and the run directory's
+storage layer (on a moto S3 server on loopback).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pytest
+from conftest import write_jsonl
+
+from pipelines.config import config_from_dict
+from pipelines.resume import (
+    DATA_STATE_VERSION,
+    DataState,
+    DataStateError,
+    Ledger,
+    SourceState,
+    fingerprint_changes,
+    stream_fingerprint,
+)
+from pipelines.train.checkpoint import (
+    MANIFEST,
+    STATE_FILE,
+    CheckpointError,
+    TrainerState,
+    check_world_size,
+    checkpoint_dir_name,
+    data_state_problem,
+    newest_complete,
+    resume_data_state,
+)
+
+
+def _cfg(tmp_path: Path, **data):
+    d = tmp_path / "data"
+    if not d.exists():
+        d.mkdir()
+        write_jsonl(d / "a.jsonl", [{"text": f"sample {i}"} for i in range(20)])
+        write_jsonl(d / "b.jsonl", [{"text": f"other {i}"} for i in range(10)])
+    raw = {"model": {"tokenizer": "demo://tokenizer"},
+           "data": {"sequence_len": 512, "pack_buffer_size": 64, "shuffle_seed": 42,
+                    "datasets": [{"path": str(d), "type": "completion"}], **data}}
+    return config_from_dict(raw)
+
+
+@pytest.mark.parametrize(("change", "key", "old", "new"), [
+    ({"pack_buffer_size": 32}, "data.pack_buffer_size", 64, 32),
+    ({"sequence_len": 256}, "data.sequence_len", 512, 256),
+    ({"shuffle_seed": 7}, "data.shuffle_seed", 42, 7),
+    ({"packing": "concat"}, "data.packing", "bfd", "concat"),
+])
+def test_fingerprint_names_each_measured_config_change(tmp_path, change, key, old, new):
+    saved = stream_fingerprint(_cfg(tmp_path))
+    changes = fingerprint_changes(saved, stream_fingerprint(_cfg(tmp_path, **change)))
+    assert changes == [f"{key}: {old!r} -> {new!r}"]
+
+
+def test_fingerprint_covers_files_tokenizer_and_weights_but_not_speed_knobs(tmp_path):
+    base = stream_fingerprint(_cfg(tmp_path))
+    # Speed and batch knobs do not change the stream: no change reported.
+    same = _cfg(tmp_path, read_tasks=3, tokenize={"num_actors": 2, "batch_size": 7})
+    assert fingerprint_changes(base, stream_fingerprint(same)) == []
+    # A file that grew: the file listing changes.
+    with open(tmp_path / "data" / "b.jsonl", "a") as f:
+        f.write(json.dumps({"text": "appended"}) + "\n")
+    assert [c.split(":")[0] for c in fingerprint_changes(base, stream_fingerprint(_cfg(tmp_path)))] == ["files"]
+    # Another dataset type and weight are named by their dotted key.
+    raw = _cfg(tmp_path).model_dump(mode="json")
+    raw["data"]["datasets"][0].update(type="alpaca", weight=2.0)
+    keys = {c.split(":")[0] for c in fingerprint_changes(stream_fingerprint(_cfg(tmp_path)),
+                                                          stream_fingerprint(config_from_dict(raw)))}
+    assert keys == {"data.datasets[0].type", "data.datasets[0].weight"}
+
+
+def test_fingerprint_tokenizer_identity_and_chat_template(tmp_path):
+    from pipelines.tokenizer import resolve_tokenizer_path
+
+    src = Path(resolve_tokenizer_path(_cfg(tmp_path).model))
+    copy = tmp_path / "tok"
+    copy.mkdir()
+    for f in src.iterdir():
+        if f.is_file():
+            (copy / f.name).write_bytes(f.read_bytes())
+    mine = _cfg(tmp_path).model_copy(deep=True)
+    mine.model.tokenizer = str(copy)
+    before = stream_fingerprint(mine)
+    conf = json.loads((copy / "tokenizer_config.json").read_text())
+    conf["chat_template"] = "{{ messages }}"
+    (copy / "tokenizer_config.json").write_text(json.dumps(conf))
+    keys = {c.split(":")[0] for c in fingerprint_changes(before, stream_fingerprint(mine))}
+    assert "chat_template" in keys
+
+
+def test_data_state_round_trip_and_strict_reading():
+    state = DataState(1, 12, [SourceState(passes=1, tokens=99, samples=5)], fingerprint={"data.x": 1})
+    d = state.to_dict()
+    assert d["version"] == DATA_STATE_VERSION
+    assert DataState.from_dict(json.loads(json.dumps(d))) == state
+    assert DataState.from_dict(None) is None and DataState.from_dict({}) is None  # no checkpoint: fresh
+    for broken, match in [({**d, "version": 0}, "version 0"), ({k: v for k, v in d.items() if k != "version"}, "version"),
+                          ({**d, "sources": [{"point": {}}]}, "cannot be read"), ({"epoch": 1}, "version"),
+                          ({**d, "step": None}, "cannot be read")]:
+        with pytest.raises(DataStateError, match=match):
+            DataState.from_dict(broken)
+
+
+def test_data_state_problem_and_restart_opt_in(tmp_path):
+    cfg = _cfg(tmp_path)
+    fp = stream_fingerprint(cfg)
+    saved = DataState(0, 4, [SourceState()], fingerprint=fp).to_dict()
+    assert data_state_problem(saved, 4, fp) is None
+    fp2 = stream_fingerprint(_cfg(tmp_path, sequence_len=256))
+    assert "data.sequence_len: 512 -> 256" in data_state_problem(saved, 4, fp2)
+    assert "no data position" in data_state_problem({}, 4, fp)  # a checkpoint without one: refused
+    assert "version" in data_state_problem({**saved, "version": 99}, 4, fp)
+    assert "no fingerprint" in data_state_problem({**saved, "fingerprint": {}}, 4, fp)
+
+    state = TrainerState(step=4, epoch=1, data_state=saved)
+    ledger = Ledger(pafs.LocalFileSystem(), str(tmp_path / "ledger"))
+    with pytest.raises(CheckpointError, match="data.sequence_len: 512 -> 256"):
+        resume_data_state(cfg, state, fp2, ledger)
+    assert ledger.restarts() == []
+    cfg.run.on_data_change = "restart"
+    restarted = DataState.from_dict(resume_data_state(cfg, state, fp2, ledger))
+    assert (restarted.epoch, restarted.step, restarted.epoch_done, restarted.sources) == (0, 4, True, [])
+    assert [r["after_step"] for r in ledger.restarts()] == [4]
+    assert "sequence_len" in ledger.restarts()[0]["reason"]
+
+
+def _fake_checkpoint(root: Path, step: int) -> Path:
+    d = root / checkpoint_dir_name(step)
+    (d / "deepspeed" / f"step_{step}").mkdir(parents=True)
+    (d / STATE_FILE).write_text(json.dumps({"step": step}))
+    (d / "deepspeed" / f"step_{step}" / "mp_rank_00_model_states.pt").write_bytes(b"x" * (100 + step))
+    files = {str(p.relative_to(d)): p.stat().st_size for p in d.rglob("*") if p.is_file()}
+    (d / MANIFEST).write_text(json.dumps({"files": files, "world_size": 2, "zero_stage": 2}))
+    return d
+
+
+def test_cut_off_checkpoint_is_never_picked(tmp_path, caplog):
+    fs = pafs.LocalFileSystem()
+    _fake_checkpoint(tmp_path, 2)
+    newest = _fake_checkpoint(tmp_path, 4)
+    assert newest_complete(fs, str(newest)) == str(newest)
+    (newest / "deepspeed" / "step_4" / "mp_rank_00_model_states.pt").unlink()  # the write was cut off
+    assert newest_complete(fs, str(newest)) == str(tmp_path / checkpoint_dir_name(2))
+    assert "checkpoint_00000004 is incomplete" in caplog.text
+    (tmp_path / checkpoint_dir_name(2) / STATE_FILE).write_text("{}")  # truncated: another size
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        newest_complete(fs, str(newest))
+    (newest / MANIFEST).unlink()
+    with pytest.raises(CheckpointError, match="manifest.json"):
+        newest_complete(fs, str(newest))
+
+
+def test_zero_steps_while_steps_remain_is_an_error(monkeypatch, tmp_path):
+    """The loop's stopping rule alone (no Ray): an empty epoch before max_steps raises."""
+    from types import SimpleNamespace
+
+    import pipelines.train.loop as loop
+
+    cfg = _cfg(tmp_path).model_copy(deep=True)
+    cfg.train.max_steps, cfg.run.storage_path = 8, str(tmp_path / "runs")
+    te = SimpleNamespace(rank=0, world_size=1, device=None, collate_fn=lambda: None)
+    shard = SimpleNamespace(iter_torch_batches=lambda **kw: iter(()))
+    monkeypatch.setattr(loop, "train_step", lambda te, source: None)
+    worker = loop.WorkerLoop(cfg, te, TrainerState(step=4, fit_id="f"), shard)
+    with pytest.raises(loop.NoTrainingData, match="train.max_steps=8"):
+        worker.run()
+
+
+def test_zero_checkpoint_with_another_world_size_is_refused_naming_the_fix(tmp_path):
+    d = _fake_checkpoint(tmp_path, 4)  # saved by 2 workers with ZeRO-2
+    check_world_size(2, str(d))
+    with pytest.raises(CheckpointError, match="scaling.num_workers=2"):
+        check_world_size(1, str(d))
+    manifest = json.loads((d / MANIFEST).read_text())
+    (d / MANIFEST).write_text(json.dumps({**manifest, "zero_stage": 0}))
+    check_world_size(1, str(d))  # ZeRO-0: any world size
+
+
+def test_run_dir_on_s3_uses_the_one_storage_layer(moto_s3, tmp_path):
+    """Ray Train gets a bare ``bucket/key`` path with the endpoint's filesystem (a URL together with a
+    filesystem raised ``ArrowInvalid: Expected an S3 object path``); outputs and the ledger land there."""
+    from pipelines.storage import StorageOptions
+    from pipelines.train.storage import OutputDir, ray_storage, run_dir
+
+    moto_s3.make_bucket("runs")
+    cfg = _cfg(tmp_path).model_copy(deep=True)
+    cfg.run.storage_path, cfg.run.name = "s3://runs/exp/", "r"
+    cfg.storage.endpoint_url = moto_s3.endpoint
+    path, fs = ray_storage(cfg)
+    assert path == "runs/exp" and isinstance(fs, pafs.S3FileSystem)
+    fs.create_dir(f"{path}/probe")  # the endpoint (with its http scheme) is honoured
+    assert run_dir(cfg) == "s3://runs/exp/r"
+    out = OutputDir(run_dir(cfg), StorageOptions.from_config(cfg.storage))
+    (Path(out.local) / "metrics.jsonl").write_text('{"step": 1}\n')
+    out.sync()
+    Ledger(fs, "runs/exp/r/ledger").mark_restart(3, "test")
+    s3 = moto_s3.fs()
+    with s3.open_input_stream("runs/exp/r/metrics.jsonl") as f:
+        assert f.read() == b'{"step": 1}\n'
+    assert Ledger(s3, "runs/exp/r/ledger").restarts() == [{"after_step": 3, "reason": "test"}]
+    cfg.run.storage_path = str(tmp_path / "runs")
+    assert ray_storage(cfg) == (str(tmp_path / "runs"), None)

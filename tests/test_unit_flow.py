@@ -1,0 +1,60 @@
+"""Units leave read tasks one by one, atomically, and the stream is the same rows as the local path.
+
+Before issue 10, Ray Data's read operator buffered a read task's unit blocks up to 128 MB, so a task's
+units left it together when the task ended; now each unit is one row of its own block and the
+dataset's target block size is small, so the read operator produces one block per unit.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pyarrow as pa
+from conftest import LIMA, make_config, needs_shared
+
+from pipelines.datasource import read_files
+from pipelines.stats import StatsSink
+from pipelines.units import FIRST_UNIT_BYTES, explode_units
+
+
+def _cfg():
+    # 1,029 LIMA records of ~2.9 kB: 200-record units are ~580 kB, well over the 256 kB block target.
+    return make_config([{"path": str(LIMA), "type": "alpaca"}], sequence_len=1024, pack_buffer_size=200,
+                       read_tasks=1)
+
+
+@needs_shared
+def test_read_blocks_are_one_row_per_unit_and_first_unit_is_small():
+    from pipelines.dataset import _read_options
+    from pipelines.sources import resolve_sources
+
+    cfg = _cfg()
+    table = resolve_sources(cfg)
+    blocks = list(read_files(list(table.files), _read_options(cfg, table, "train", first_unit_source=0), StatsSink()))
+    assert all(b.num_rows == 1 for b in blocks)
+    sizes = [b.column("unit_records")[0].as_py() for b in blocks]
+    assert sizes[1:-1] == [200] * (len(sizes) - 2) and sum(sizes) == 1029
+    first = explode_units(blocks[0])
+    assert 0 < sizes[0] < 200 and sum(len(r) for r in first.column("record").to_pylist()) >= FIRST_UNIT_BYTES
+    # records come out in file order, ids consecutive from row 0, unit columns repeated per record
+    ids = pa.concat_tables([explode_units(b) for b in blocks]).column("sample_id").to_pylist()
+    assert ids == list(range(1029))
+
+
+@needs_shared
+def test_read_operator_emits_one_block_per_unit_and_rows_match_local(ray_local):
+    from pipelines.dataset import build_dataset, iter_packed_local
+
+    cfg = _cfg()
+    ds = build_dataset(cfg)
+    rows = [r for b in ds.iter_batches(batch_size=None, batch_format="pyarrow") for r in b.to_pylist()]
+    stats = ds.stats()
+    m = re.search(r"ReadShards[^\n]*?(\d+) tasks executed, (\d+) blocks produced", stats)
+    assert m, stats[:2000]
+    tasks, blocks = int(m.group(1)), int(m.group(2))
+    assert tasks == 1 and blocks == 6, stats[:2000]  # 1 small first unit + 4 x 200 + the rest: 6 units
+    local = [r for t in iter_packed_local(cfg) for r in t.to_pylist()]
+    assert len(rows) == len(local) > 100
+    assert [r["sample_ids"] for r in rows] == [r["sample_ids"] for r in local]
+    assert [r["input_ids"] for r in rows] == [r["input_ids"] for r in local]
+    assert sorted(s for r in rows for s in r["sample_ids"]) == sorted(set(s for r in rows for s in r["sample_ids"]))
