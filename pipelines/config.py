@@ -57,6 +57,65 @@ class ModelInit(_Strict):
         return self
 
 
+class AdapterConfig(_Strict):
+    """Parameter-efficient fine-tuning with peft: LoRA on a trainable copy, or QLoRA on a 4-bit base.
+
+    Example (the LoRA of axolotl/TRL defaults)::
+
+        adapter: {type: lora, r: 16, alpha: 32, dropout: 0.05, target_modules: all-linear}
+
+    With ``type: none`` (full fine-tuning) the other keys do not apply and setting any of them is an
+    error rather than silently ignored.
+    """
+
+    type: Literal["none", "lora", "qlora"] = Field(
+        "none", description="none: train every weight; lora: peft LoRA adapters on a frozen base; "
+        "qlora: LoRA on a 4-bit (bitsandbytes NF4) base, GPU only."
+    )
+    r: int | None = Field(None, gt=0, description="LoRA rank; 16 when unset with lora/qlora.")
+    alpha: float | None = Field(None, gt=0, description="LoRA alpha (the update is scaled by alpha / r); 2 * r when unset.")
+    dropout: float | None = Field(None, ge=0, lt=1, description="Dropout on the LoRA input; 0.05 when unset.")
+    target_modules: str | list[str] | None = Field(
+        None, description="Modules that get adapters, as in peft: all-linear (every linear layer but the "
+        "output head; the default), a list of module names (q_proj, v_proj, ...) or a regex over full names."
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list):
+            if not v or any(not t.strip() for t in v):
+                raise ValueError("give at least one non-empty module name, or all-linear")
+        elif v is not None and not v.strip():
+            raise ValueError("empty; use all-linear, a list of module names or a regex")
+        return v
+
+    @model_validator(mode="after")
+    def _defaults_or_reject(self) -> AdapterConfig:
+        """type none: the LoRA keys do not apply, so setting one is an error; lora/qlora: fill defaults.
+
+        Unset keys stay None under none, so a dumped config (``model_dump``) re-validates unchanged.
+        """
+        keys = ("r", "alpha", "dropout", "target_modules")
+        if self.type == "none":
+            extra = [k for k in keys if getattr(self, k) is not None]
+            if extra:
+                raise ValueError(f"{', '.join('model.adapter.' + k for k in extra)} set but model.adapter.type is none (full fine-tuning); "
+                                 "set type: lora or qlora, or remove them")
+            return self
+        defaults = {"r": 16, "dropout": 0.05, "target_modules": "all-linear"}
+        for k, v in defaults.items():
+            if getattr(self, k) is None:
+                object.__setattr__(self, k, v)  # no re-validation loop (validate_assignment)
+        if self.alpha is None:
+            object.__setattr__(self, "alpha", 2.0 * self.r)
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.type != "none"
+
+
 class ModelConfig(_Strict):
     """Which causal LM to train and which tokenizer feeds it."""
 
@@ -67,6 +126,7 @@ class ModelConfig(_Strict):
     attn_implementation: Literal["auto", "flash_attention_2", "sdpa", "eager"] = Field(
         "auto", description="auto: flash_attention_2 (varlen, padding-free) on GPU when installed, else sdpa."
     )
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig, description="LoRA / QLoRA adapters (peft).")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -228,6 +288,10 @@ class TrainConfig(_Strict):
         None, gt=0, description="Rows shuffled in each worker's iterator buffer (seeded by data.shuffle_seed)."
     )
     prefetch_batches: int = Field(2, ge=0, description="Batches each worker prefetches from its data iterator.")
+    export_merged: bool = Field(
+        False, description="With model.adapter: also export the base with the adapter merged in "
+        "(<run dir>/model, a plain Hugging Face model) next to the adapter (<run dir>/adapter)."
+    )
 
 
 class ScalingConfig(_Strict):
@@ -275,6 +339,15 @@ class Config(_Strict):
     # Directory that relative local paths are resolved against (the config file's folder).
     base_dir: str = Field(default_factory=os.getcwd, exclude=True, description="Internal: the config file's folder.")
     source: str | None = Field(None, exclude=True, description="Internal: the config file path.")
+
+    @model_validator(mode="after")
+    def _export_merged_needs_adapter(self) -> Config:
+        if self.train.export_merged and not self.model.adapter.enabled:
+            raise ValueError("train.export_merged: needs model.adapter.type lora or qlora "
+                             "(without an adapter the exported model is already the full model)")
+        if self.train.export_merged and not self.run.export_model:
+            raise ValueError("train.export_merged: needs run.export_model=true")
+        return self
 
 
 # --------------------------------------------------------------------------- loading

@@ -31,6 +31,7 @@ def test_quickstart_executes(tmp_path, monkeypatch):
     client.execute()
     text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert "rows; columns:" in text and "loss " in text and "->" in text
+    assert "parameters trained" in text and "adapter_model.safetensors" in text  # the LoRA cells
     images = [o for c in nb.cells for o in getattr(c, "outputs", []) if "image/png" in o.get("data", {})]
     assert len(images) == 2  # the length histogram and the loss curve
     html = [o for c in nb.cells for o in getattr(c, "outputs", []) if "text/html" in o.get("data", {})]
@@ -41,3 +42,5 @@ def test_quickstart_executes(tmp_path, monkeypatch):
     losses = [r["loss"] for r in map(json.loads, records) if r.get("kind") == "train"]
     assert len(losses) == 6 and (first, last) == (round(losses[0], 3), round(losses[-1], 3))
     assert last < first - 0.2, losses
+    adapter = json.loads((tmp_path / "runs" / "notebook-lora" / "adapter" / "adapter_config.json").read_text())
+    assert adapter["peft_type"] == "LORA" and adapter["r"] > 0

@@ -166,10 +166,13 @@ def test_zero_steps_while_steps_remain_is_an_error(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
     import pipelines.train.loop as loop
+    from pipelines.config import AdapterConfig
+    from pipelines.train.adapter import ParamCount
 
     cfg = _cfg(tmp_path).model_copy(deep=True)
     cfg.train.max_steps, cfg.run.storage_path = 8, str(tmp_path / "runs")
-    te = SimpleNamespace(rank=0, world_size=1, device=None, collate_fn=lambda: None)
+    te = SimpleNamespace(rank=0, world_size=1, device=None, collate_fn=lambda: None,
+                         params=ParamCount(10, 10), adapter=AdapterConfig())
     shard = SimpleNamespace(iter_torch_batches=lambda **kw: iter(()))
     monkeypatch.setattr(loop, "train_step", lambda te, source: None)
     worker = loop.WorkerLoop(cfg, te, TrainerState(step=4, fit_id="f"), shard)

@@ -26,6 +26,11 @@ Resume (``run.resume``):
 * ``<path>``: a checkpoint directory (or a run directory: its newest ``checkpoint_*``) to start from
   when this run has none of its own yet.
 
+With ``model.adapter`` (LoRA/QLoRA) the DeepSpeed part holds the adapter weights and their optimizer
+state only (``exclude_frozen_parameters``): the frozen base is rebuilt from ``model.name_or_path`` /
+``model.init`` on resume, so a checkpoint is megabytes, not a copy of the base. The adapter settings
+are saved with it and a resume under different ones is refused.
+
 ``data_state`` is the feeder's :class:`~pipelines.resume.DataState` stamped with the stream's
 fingerprint. :func:`resume_data_state` (rank 0, before the feeder starts) and :func:`check_resume`
 (the driver, before the workers start) refuse a state that cannot be read or was taken in another
@@ -52,6 +57,7 @@ from pipelines.train.step import TrainEngine
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+ADAPTER_KEY = "adapter"  # in DeepSpeed's client_state: the model.adapter settings of the checkpoint
 MANIFEST = "manifest.json"
 DS_SUBDIR = "deepspeed"
 _CKPT_RE = re.compile(r"^checkpoint_(\d+)$")
@@ -82,7 +88,8 @@ def save_local(te: TrainEngine, directory: str, state: TrainerState) -> None:
     """Write this rank's part of a checkpoint into ``directory`` (collective: every rank calls it)."""
     tag = f"step_{state.step}"
     te.engine.save_checkpoint(os.path.join(directory, DS_SUBDIR), tag=tag,
-                              client_state={"trainer_state": asdict(state)})
+                              client_state={"trainer_state": asdict(state), ADAPTER_KEY: _adapter_state(te)},
+                              exclude_frozen_parameters=te.adapter.enabled)
     if te.rank == 0:
         with open(os.path.join(directory, STATE_FILE), "w", encoding="utf-8") as f:
             json.dump(asdict(state), f, indent=2)
@@ -116,13 +123,32 @@ def load_local(te: TrainEngine, directory: str) -> TrainerState:
     with open(os.path.join(directory, STATE_FILE), encoding="utf-8") as f:
         state = TrainerState.from_dict(json.load(f))
     check_world_size(te.world_size, directory)
-    path, _ = te.engine.load_checkpoint(
+    path, client_state = te.engine.load_checkpoint(
         os.path.join(directory, DS_SUBDIR), tag=f"step_{state.step}",
         load_optimizer_states=True, load_lr_scheduler_states=True,
+        load_module_strict=not te.adapter.enabled,  # adapter checkpoints hold no frozen base weights
     )
     if path is None:
         raise RuntimeError(f"DeepSpeed found no checkpoint for step {state.step} under {directory}")
+    check_adapter_matches(te, (client_state or {}).get(ADAPTER_KEY), directory)
     return state
+
+
+def _adapter_state(te: TrainEngine) -> dict[str, Any]:
+    """``model.adapter`` as saved with a checkpoint (``{"type": "none", ...}`` for full fine-tuning)."""
+    return te.adapter.model_dump(mode="json")
+
+
+def check_adapter_matches(te: TrainEngine, saved: dict[str, Any] | None, directory: str) -> None:
+    """Refuse to resume a checkpoint trained with other adapter settings (or a full fine-tune as LoRA).
+
+    A checkpoint written before adapters existed has no record: it is a full fine-tune.
+    """
+    saved = saved or {"type": "none"}
+    now = _adapter_state(te)
+    if {k: v for k, v in saved.items() if v is not None} != {k: v for k, v in now.items() if v is not None}:
+        raise CheckpointError(f"model.adapter: the checkpoint {directory} was trained with {saved}, this run has "
+                           f"{now}; use the same adapter settings, or run.resume=never / a new run.name")
 
 
 class CheckpointError(RuntimeError):

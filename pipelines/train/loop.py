@@ -36,7 +36,7 @@ from pipelines.train.checkpoint import (
     resume_data_state,
     stamp,
 )
-from pipelines.train.export import export_hf_model
+from pipelines.train.export import export_run
 from pipelines.train.faults import maybe_fail
 from pipelines.train.feed import StepFeed, share_feeder
 from pipelines.train.metrics import MetricsWriter, Window, format_line
@@ -125,6 +125,11 @@ class WorkerLoop:
 
     def run(self) -> None:
         t0 = time.time()
+        params = self.te.params
+        self._print(f"model: {params.line()} | adapter {self.te.adapter.type}")
+        self.metrics.write({"kind": "params", "step": self.state.step, "trainable_params": params.trainable,
+                            "total_params": params.total, "trainable_fraction": params.fraction,
+                            "adapter": self.te.adapter.type})
         if self.state.step:  # restored from a checkpoint: mark it in metrics.jsonl
             self.metrics.write({"kind": "resume", "step": self.state.step, "epoch": self.state.epoch})
         if self._done():
@@ -253,9 +258,7 @@ class WorkerLoop:
         ray.train.report(self._report_metrics())
 
     def _export(self) -> str:
-        out = OutputDir(f"{self.run_dir}/model", self.storage) if self.te.rank == 0 else None
-        export_hf_model(self.te, out)
-        return f"{self.run_dir}/model"
+        return export_run(self.te, self.cfg, self.run_dir, self.storage)
 
     def _summary(self, wall_s: float, model_path: str | None) -> None:
         rec = {

@@ -69,6 +69,24 @@ def init_config(init: ModelInit, tokenizer: PreTrainedTokenizerBase):  # -> Pret
     return LlamaConfig(**common)
 
 
+def _qlora_kwargs(model_cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    """``from_pretrained`` arguments that load the base in 4 bits (``model.adapter.type: qlora``, GPU).
+
+    Under ZeRO-3 transformers places and partitions the packed weights itself; otherwise they go
+    to this rank's GPU.
+    """
+    if model_cfg.adapter.type != "qlora":
+        return {}
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    from pipelines.train.adapter import qlora_quantization_config
+
+    kwargs: dict = {"quantization_config": qlora_quantization_config(dtype)}
+    if not is_deepspeed_zero3_enabled():
+        kwargs["device_map"] = {"": torch.cuda.current_device()}
+    return kwargs
+
+
 def build_model(
     model_cfg: ModelConfig,
     tokenizer: PreTrainedTokenizerBase,
@@ -76,7 +94,10 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     gradient_checkpointing: bool = False,
 ) -> PreTrainedModel:
-    """Load or initialise the causal LM (under DeepSpeed ZeRO-3 transformers partitions it while loading)."""
+    """Load or initialise the causal LM (under DeepSpeed ZeRO-3 transformers partitions it while loading).
+
+    The base model only: adapters (``model.adapter``) are added by :func:`pipelines.train.adapter.apply_adapter`.
+    """
     from transformers import AutoModelForCausalLM
 
     if model_cfg.init is not None:
@@ -92,6 +113,7 @@ def build_model(
             trust_remote_code=model_cfg.trust_remote_code,
             attn_implementation=attn_implementation,
             dtype=dtype,
+            **_qlora_kwargs(model_cfg, dtype),
         )
         if len(tokenizer) > model.get_input_embeddings().num_embeddings:
             logger.warning("resizing embeddings %d -> %d for the tokenizer",

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipelines.config import Config
+from pipelines.config import AdapterConfig, Config
+from pipelines.train.adapter import ParamCount, apply_adapter, count_params
 from pipelines.train.collate import CollateMode, PackedCollate, collate_rows, dummy_batch
 from pipelines.train.deepspeed_config import resolve_deepspeed_config, zero_stage
 from pipelines.train.loss import backward_scale, summed_loss, supervised_tokens
@@ -104,14 +105,17 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _zero3_loading_context(ds_config: dict[str, Any]) -> list[Any]:
-    """Under ZeRO-3, let transformers build/load the model straight into partitions when it can.
+def _zero3_loading_context(ds_config: dict[str, Any], pretrained: bool) -> list[Any]:
+    """Under ZeRO-3, let transformers load a pretrained model straight into partitions when it can.
 
-    That needs ``accelerate`` (transformers' ``HfDeepSpeedConfig`` checks for it). Without it each rank
-    builds the full model in CPU memory and ``deepspeed.initialize`` partitions it: same result, more
-    host memory at start-up (fine for small models; install accelerate for 7B+ models).
+    That needs ``accelerate`` (transformers' ``HfDeepSpeedConfig`` checks for it; peft pulls it in).
+    Without it each rank builds the full model in CPU memory and ``deepspeed.initialize`` partitions
+    it: same result, more host memory at start-up (fine for small models; install accelerate for 7B+).
+    A random ``model.init`` is always built whole: transformers 4.57's ``_init_weights`` indexes the
+    embedding's padding row, which a partitioned (empty) embedding does not have (IndexError), and a
+    whole build draws the same weights as :func:`build_model` alone (what an adapter export needs).
     """
-    if zero_stage(ds_config) != 3:
+    if zero_stage(ds_config) != 3 or not pretrained:
         return []
     if importlib.util.find_spec("accelerate") is None:
         logger.info("ZeRO-3 without accelerate: the full model is built on each rank, then partitioned")
@@ -135,6 +139,8 @@ class TrainEngine:
     rank: int
     grad_accum: int
     attn_implementation: str
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)  # model.adapter (type none: full fine-tuning)
+    params: ParamCount = ParamCount(0, 0)  # trainable / total, counted before DeepSpeed wraps the model
     keepalive: list[Any] = field(default_factory=list)  # e.g. HfDeepSpeedConfig (must outlive loading)
 
     @property
@@ -156,7 +162,7 @@ def build_engine(cfg: Config) -> TrainEngine:
     train = cfg.train
     world_size = dist.get_world_size()
     ds_config = resolve_deepspeed_config(train, world_size, cfg.scaling.use_gpu, cfg.base_dir)
-    keepalive = _zero3_loading_context(ds_config)
+    keepalive = _zero3_loading_context(ds_config, pretrained=cfg.model.init is None)
     attn = resolve_attn_implementation(cfg.model.attn_implementation, cfg.scaling.use_gpu)
     tokenizer = load_tokenizer(cfg.model)
     torch.manual_seed(train.seed)
@@ -164,6 +170,9 @@ def build_engine(cfg: Config) -> TrainEngine:
     # optimizer); a random init is drawn in fp32 so it is the same whether or not bf16 is on.
     dtype = torch.bfloat16 if (train.bf16 and cfg.model.init is None) else torch.float32
     model = build_model(cfg.model, tokenizer, attn, dtype, train.gradient_checkpointing)
+    if cfg.model.adapter.enabled:  # frozen base + LoRA matrices; only those reach the optimizer
+        model = apply_adapter(model, cfg.model.adapter, train.gradient_checkpointing)
+    params = count_params(model)
     optimizer = torch.optim.AdamW(
         _param_groups(model, train.weight_decay),
         lr=train.learning_rate,
@@ -189,6 +198,8 @@ def build_engine(cfg: Config) -> TrainEngine:
         rank=dist.get_rank(),
         grad_accum=train.gradient_accumulation_steps,
         attn_implementation=attn,
+        adapter=cfg.model.adapter,
+        params=params,
         keepalive=keepalive,
     )
 

@@ -18,6 +18,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from pipelines.config import Config, ConfigError
+from pipelines.train.adapter import preflight_adapter
 from pipelines.train.deepspeed_config import resolve_deepspeed_config
 from pipelines.train.loop import payload, train_loop_per_worker
 from pipelines.train.storage import is_remote, ray_storage, storage_root
@@ -45,6 +46,7 @@ def preflight(cfg: Config) -> None:
         raise ConfigError(f"run.resume: {resume!r} is neither auto, never nor an existing checkpoint path")
     if cfg.model.init is None and cfg.model.name_or_path is None:
         raise ConfigError("model: set model.name_or_path or model.init")
+    preflight_adapter(cfg)  # QLoRA needs GPU + bitsandbytes; target_modules must match the architecture
 
 
 def _worker_env(use_gpu: bool) -> dict[str, Any] | None:
