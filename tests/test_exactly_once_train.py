@@ -1,13 +1,13 @@
 """Exactly-once training data through Ray Train: failures, SIGKILL, and world-size changes.
 
-Every fit trains a tiny Llama on 600 short question/answer samples (the project's byte-level demo
-tokenizer) with packing on, 2 CPU workers unless said otherwise, and reads the run's ledger.
+Every fit trains a tiny Llama on 600 short question/answer samples in two datasets mixed 3:1 by
+tokens (the project's byte-level demo tokenizer) with packing on, 2 CPU workers unless said
+otherwise, and reads the run's ledger.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 from collections import defaultdict
 from pathlib import Path
@@ -18,15 +18,20 @@ from conftest import write_jsonl
 
 from pipelines.config import config_from_dict
 from pipelines.resume import Ledger, sample_counts
-from pipelines.sources import make_sample_id
+from pipelines.sources import make_sample_id, split_sample_id
 
 N_SAMPLES, N_FILES = 600, 3
 pytestmark = pytest.mark.timeout(900)
 
 
-def _data(tmp_path: Path) -> Path:
-    d = tmp_path / "qa"
-    d.mkdir(exist_ok=True)
+WEIGHTS = (3.0, 1.0)  # files 0-1 are the first dataset, file 2 the second: mixed 3:1 by tokens
+
+
+def _data(tmp_path: Path) -> tuple[Path, Path]:
+    """Two datasets of the same kind of samples: ``qa/`` (files 0 and 1) and ``qa_more/`` (file 2)."""
+    dirs = (tmp_path / "qa", tmp_path / "qa_more")
+    for d in dirs:
+        d.mkdir(exist_ok=True)
     rng = random.Random(0)
     words = ["sun", "moon", "river", "stone", "cloud", "tree", "bird", "fire", "snow", "wind"]
     for f in range(N_FILES):
@@ -35,8 +40,8 @@ def _data(tmp_path: Path) -> Path:
             w = " ".join(rng.choice(words) for _ in range(1 + (i + f) % 6))
             recs.append({"segments": [{"text": f"Q: reverse '{w}'\nA:", "label": False},
                                       {"text": " " + " ".join(reversed(w.split())), "label": True}]})
-        write_jsonl(d / f"part-{f}.jsonl", recs)
-    return d
+        write_jsonl(dirs[f // 2] / f"part-{f}.jsonl", recs)
+    return dirs
 
 
 def _config(tmp_path: Path, name: str, workers: int, **train):
@@ -45,7 +50,8 @@ def _config(tmp_path: Path, name: str, workers: int, **train):
                   "init": {"architecture": "llama", "hidden_size": 64, "intermediate_size": 128,
                            "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 256}},
         "data": {"sequence_len": 128, "packing": "bfd", "pack_buffer_size": 40, "shuffle_seed": 5,
-                 "datasets": [{"path": str(_data(tmp_path)), "type": "input_output"}],
+                 "datasets": [{"path": str(d), "type": "input_output", "weight": w}
+                              for d, w in zip(_data(tmp_path), WEIGHTS, strict=True)],
                  "tokenize": {"num_actors": 1, "num_cpus": 0.25}},
         "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "epochs": 1, "learning_rate": 3e-3,
                   "warmup_steps": 2, "lr_scheduler": "constant", "log_every_steps": 1,
@@ -100,6 +106,13 @@ def test_failures_and_sigkill_mid_epoch_keep_exactly_once_and_the_loss_curve(ray
     _assert_exactly_once(faulty)
     assert [e.ranks for e in faulty] == [e.ranks for e in base]  # same rows, same ranks, same order
 
+    # Mixing on the real path: while both datasets last, 3 of every 4 samples come from the first (its
+    # samples are like the second's, so token shares and sample shares agree), restarts included.
+    from_first = [[split_sample_id(sid)[0] < 2 for sid in e.sample_ids()] for e in faulty]
+    both = max(i for i, f in enumerate(from_first) if any(f))  # steps before it drew on both datasets
+    share = sum(sum(f) for f in from_first[:both]) / sum(len(f) for f in from_first[:both])
+    assert both >= n // 2 and abs(share - 0.75) < 0.04, (both, n, share)
+
     clean_loss, faulty_loss = _losses(tmp_path, "clean"), _losses(tmp_path, "faulty")
     redone = [s for s, v in faulty_loss.items() if len(v) > 1]
     assert redone, "no step was re-run after a restore"
@@ -108,14 +121,16 @@ def test_failures_and_sigkill_mid_epoch_keep_exactly_once_and_the_loss_curve(ray
             assert abs(v - clean_loss[step][0]) < 1e-3 * max(1.0, abs(clean_loss[step][0])), (step, v, clean_loss[step])
 
 
-@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
-def test_world_size_change_across_resume_is_exactly_once(ray_local, tmp_path, before, after):
-    name = f"resize_{before}_{after}"
-    _fit(_config(tmp_path, name, before, max_steps=5 if before == 2 else 10))
+def test_world_size_changes_across_resumes_are_exactly_once(ray_local, tmp_path):
+    """2 workers stop mid-epoch, a new job with 1 worker resumes and stops again, a third with 2 finishes:
+    both directions of a world-size change in one run, every sample exactly once."""
+    name = "resize"
+    _fit(_config(tmp_path, name, 2, max_steps=5))
     head = _ledger(tmp_path, name)
-    assert len(head) > 0 and len(sample_counts(head)) < N_SAMPLES  # stopped mid-epoch
-    _fit(_config(tmp_path, name, after))  # run.resume=auto: same run name, new job, other world size
+    assert len(head) == 5 and len(sample_counts(head)) < N_SAMPLES  # stopped mid-epoch
+    _fit(_config(tmp_path, name, 1, max_steps=10))  # run.resume=auto: same run name, new job, other world size
+    assert len(sample_counts(_ledger(tmp_path, name))) < N_SAMPLES
+    _fit(_config(tmp_path, name, 2))
     entries = _ledger(tmp_path, name)
     _assert_exactly_once(entries)
-    assert {len(e.ranks) for e in entries} == {before, after}
-    assert os.path.isdir(tmp_path / "runs" / name)
+    assert [len(e.ranks) for e in entries] == [2] * 5 + [1] * 5 + [2] * (len(entries) - 10)

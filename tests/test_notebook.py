@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
+import re
 from pathlib import Path
 
 import pytest
@@ -36,5 +36,11 @@ def test_quickstart_executes(tmp_path, monkeypatch):
     assert len(images) == 2  # the length histogram and the loss curve
     html = [o for c in nb.cells for o in getattr(c, "outputs", []) if "text/html" in o.get("data", {})]
     assert html and "background:#cfc" in html[0]["data"]["text/html"]  # trained tokens highlighted
-    assert os.path.isdir(tmp_path / "runs" / "notebook-quickstart")
-    assert os.path.isfile(tmp_path / "runs" / "notebook-lora" / "adapter" / "adapter_config.json")
+    # It learns: the loss the notebook prints falls, and so does the run's own record of it.
+    first, last = map(float, re.search(r"loss (\d+\.\d+) -> (\d+\.\d+)", text).groups())
+    records = (tmp_path / "runs" / "notebook-quickstart" / "metrics.jsonl").read_text().splitlines()
+    losses = [r["loss"] for r in map(json.loads, records) if r.get("kind") == "train"]
+    assert len(losses) == 6 and (first, last) == (round(losses[0], 3), round(losses[-1], 3))
+    assert last < first - 0.2, losses
+    adapter = json.loads((tmp_path / "runs" / "notebook-lora" / "adapter" / "adapter_config.json").read_text())
+    assert adapter["peft_type"] == "LORA" and adapter["r"] > 0

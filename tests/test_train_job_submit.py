@@ -1,8 +1,12 @@
 """``ray start --head`` on loopback, ``ray job submit --working-dir . -- python ray_jobs/sft.py``, outputs exist.
 
-The head gets its own ``--temp-dir`` and free ports, and is stopped by terminating exactly the
-processes it started (those naming its temp dir or GCS port, and their descendants). Plain
-``ray stop`` is not used: it kills *every* Ray process on the machine, other people's included.
+The head runs in the foreground (``ray start --block``) as a child of the test, with its own
+``--temp-dir``; every Ray process it starts is a descendant of that one process. It is stopped by
+terminating exactly those processes, by pid (never ``ray stop``, which ends *every* Ray process on
+the machine, other people's included, nor by matching names or command lines). Its servers bind
+port 0 where Ray lets them (GCS, dashboard, node and object managers, agents; not its client server,
+which must be given a port) and the test reads the dashboard's address back from Ray instead of
+probing for a free port and hoping it stays free.
 """
 
 from __future__ import annotations
@@ -10,10 +14,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import psutil
@@ -23,62 +29,74 @@ ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = str(Path(sys.executable).parent)
 
 
-def _free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
+def _free_port() -> int:
+    """Only for Ray's client server, the one port ``ray start`` refuses as 0 (RayParams wants 1024-65535)."""
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
+        return s.getsockname()[1]
 
 
-def _head_processes(temp_dir: str, gcs_port: int) -> set[psutil.Process]:
-    """The head's processes: those naming our temp dir or GCS port, plus all their descendants."""
-    found: set[psutil.Process] = set()
-    for p in psutil.process_iter(["cmdline"]):
-        args = p.info["cmdline"] or []
-        if any(temp_dir in a or f":{gcs_port}" in a for a in args):
-            found.add(p)
-            with contextlib.suppress(psutil.NoSuchProcess):
-                found.update(p.children(recursive=True))
-    return found
+def _descendants(pid: int) -> list[psutil.Process]:
+    with contextlib.suppress(psutil.NoSuchProcess):
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    return []
 
 
-def _stop_head(temp_dir: str, gcs_port: int) -> None:
-    procs = _head_processes(temp_dir, gcs_port)
+def _stop(procs: list[psutil.Process]) -> None:
+    """Terminate exactly these processes (a head and what it started), then kill what is left."""
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.terminate()
-    _, alive = psutil.wait_procs(list(procs), timeout=8)
+    _, alive = psutil.wait_procs(procs, timeout=10)
     for p in alive:
-        p.kill()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(alive, timeout=5)
+
+
+def _dashboard_url(log_path: Path, head: subprocess.Popen, timeout: float = 150.0) -> str:
+    """The dashboard's address as ``ray start`` reports it once the head is up (its port was chosen by the OS)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log_path.read_text(errors="replace") if log_path.exists() else ""
+        found = re.search(r"http://127\.0\.0\.1:(\d+)", text.split("dashboard", 1)[-1]) if "dashboard" in text else None
+        if "Ray runtime started" in text and found:
+            return f"http://127.0.0.1:{found.group(1)}"
+        if head.poll() is not None:
+            raise AssertionError(f"ray start exited with {head.returncode}:\n{text[-3000:]}")
+        time.sleep(0.5)
+    raise AssertionError(f"no dashboard address from ray start within {timeout} s")
 
 
 @pytest.fixture()
-def ray_head():
-    """A private Ray head on 127.0.0.1; yields the dashboard (job API) address."""
+def ray_head(tmp_path):
+    """A private Ray head on 127.0.0.1; yields the dashboard (job API) address and the environment."""
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
-    gcs, dash, client, agent_http, agent_grpc, metrics, renv, nm, om = _free_ports(9)
-    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}"}
+    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
     cmd = [
-        f"{VENV_BIN}/ray", "start", "--head", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-        f"--port={gcs}", f"--dashboard-port={dash}", "--num-cpus=2", f"--temp-dir={temp_dir}",
-        f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent_http}",
-        f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
-        f"--runtime-env-agent-port={renv}", f"--node-manager-port={nm}", f"--object-manager-port={om}",
-        "--include-dashboard=true",
+        f"{VENV_BIN}/ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+        "--port=0", "--dashboard-port=0", "--num-cpus=2", f"--temp-dir={temp_dir}", "--include-dashboard=true",
+        f"--ray-client-server-port={_free_port()}", "--dashboard-agent-listen-port=0", "--dashboard-agent-grpc-port=0",
+        "--metrics-export-port=0", "--runtime-env-agent-port=0", "--node-manager-port=0", "--object-manager-port=0",
     ]
+    log = tmp_path / "ray_start.log"
+    with log.open("w") as out:
+        head = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        started = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-        assert started.returncode == 0, started.stdout + started.stderr
-        yield f"http://127.0.0.1:{dash}", env
+        yield _dashboard_url(log, head), env
     finally:
-        _stop_head(temp_dir, gcs)
-        assert not _head_processes(temp_dir, gcs)
+        procs = _descendants(head.pid)
+        _stop(procs)
+        assert head.poll() is not None and not [p for p in procs if _alive(p)]
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.mark.timeout(600)

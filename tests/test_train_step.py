@@ -1,4 +1,5 @@
-"""The per-worker step without Ray: global token-mean loss across ranks and accumulation, uneven shards.
+"""The per-worker step without Ray: global token-mean loss and grad norm across ranks, accumulation and
+ZeRO stages (zero2, and zero0 in fp32), uneven shards.
 
 Processes are started with torch.multiprocessing (gloo, DeepSpeed CPU accelerator) -- the same code a
 Ray Train worker runs, minus Ray, which also shows step.py works standalone.
@@ -7,7 +8,6 @@ Ray Train worker runs, minus Ray, which also shows step.py works standalone.
 from __future__ import annotations
 
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -46,15 +46,10 @@ def _rows() -> list[dict[str, np.ndarray]]:
     return rows
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, cfg_raw: dict, shards: list, out_dir: str, max_steps: int) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    # The rendezvous store is the test's (see _launch): every rank is its client, as under torchrun's agent.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1")
     from pipelines.train.step import BatchSource, build_engine, init_distributed, micro_batches, train_step
 
     torch.set_num_threads(1)
@@ -78,8 +73,11 @@ def _worker(rank: int, world: int, port: int, cfg_raw: dict, shards: list, out_d
 
 
 def _launch(world: int, cfg, shards, tmp_path, max_steps: int = 10) -> dict:
-    mp.spawn(_worker, args=(world, _free_port(), cfg.model_dump(mode="json"), shards, str(tmp_path), max_steps),
+    # The store binds port 0 here and the workers get the port it read back (no probing for a free port).
+    store = torch.distributed.TCPStore("127.0.0.1", 0, world_size=world, is_master=True, wait_for_workers=False)
+    mp.spawn(_worker, args=(world, store.port, cfg.model_dump(mode="json"), shards, str(tmp_path), max_steps),
              nprocs=world, join=True)
+    del store
     return torch.load(tmp_path / "result.pt", weights_only=False)
 
 
@@ -130,7 +128,8 @@ def test_global_token_mean_two_workers_vs_one(tmp_path):
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
     one = _launch(1, _cfg(4), [rows], tmp_path / "one", max_steps=1)  # 1 worker x 4 micro-batches
-    two = _launch(2, _cfg(2), [rows[:2], rows[2:]], tmp_path / "two", max_steps=1)  # 2 workers x 2
+    # 2 workers x 2, on DeepSpeed's fp32 path without ZeRO (zero0, bf16 false), whose own norm is discarded.
+    two = _launch(2, _cfg(2, deepspeed="zero0"), [rows[:2], rows[2:]], tmp_path / "two", max_steps=1)
     s1, s2 = one["stats"][0], two["stats"][0]
     # Every label except each sample's first token (position 0) is a target.
     expected = sum(int(((r["labels"] != -100) & (r["position_ids"] != 0)).sum()) for r in rows)

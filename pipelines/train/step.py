@@ -257,6 +257,22 @@ def _forward_sum(te: TrainEngine, batch: dict[str, torch.Tensor]) -> torch.Tenso
     return summed_loss(out.logits, batch["labels"].to(te.device, non_blocking=True))
 
 
+def _fp32_plain(engine: Any) -> bool:
+    """DeepSpeed's fp32 path without ZeRO (``zero0``, ``bf16: false``): its optimizer is the plain torch
+    one and the norm ``clip_fp32_gradients`` computes is discarded, so ``get_global_grad_norm()`` is None."""
+    return not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization())
+
+
+def grad_norm(params: Iterable[torch.nn.Parameter]) -> float:
+    """The 2-norm of all gradients, e.g. grads ``[3, 0]`` and ``[4]`` -> 5.0.
+
+    Called after the accumulation boundary's backward, where DeepSpeed has all-reduced the gradients,
+    so every rank holds the global gradient and gets the same norm.
+    """
+    sq = [p.grad.detach().float().pow(2).sum() for p in params if p.grad is not None]
+    return float(torch.sqrt(torch.stack(sq).sum())) if sq else 0.0
+
+
 def train_step(te: TrainEngine, source: BatchSource) -> StepStats | None:
     """One optimizer step over G micro-batches per rank; ``None`` when every rank's data is exhausted."""
     t0 = time.perf_counter()
@@ -277,13 +293,16 @@ def train_step(te: TrainEngine, source: BatchSource) -> StepStats | None:
     lr = float(te.engine.optimizer.param_groups[0]["lr"])
     loss_sum = 0.0
     te.engine.train()
-    for b in micro:
+    own_norm = None
+    for k, b in enumerate(micro):
         s = _forward_sum(te, b)
         te.engine.backward(s * scale)
+        if k == len(micro) - 1 and _fp32_plain(te.engine):
+            own_norm = grad_norm(te.engine.module.parameters())  # reduced, not yet clipped or applied
         te.engine.step()
         loss_sum += float(s.detach())
     (global_loss,) = all_reduce_sum([loss_sum], te.device)
-    norm = te.engine.get_global_grad_norm()
+    norm = te.engine.get_global_grad_norm() if own_norm is None else own_norm
     return StepStats(
         loss=global_loss / max(n_sup, 1),
         lr=lr,
