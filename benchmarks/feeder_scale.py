@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from pipelines.feeder import Feeder, FeederClient, list_rows  # noqa: E402
+from pipelines.ray_local import init_local  # noqa: E402
 from pipelines.sources import make_sample_id  # noqa: E402
 
 SEQ, K, BLOCK_ROWS = 2048, 8, 64
@@ -272,7 +273,7 @@ def main() -> None:
         return
     # Workers (feeders, ranks) import benchmarks/_old_feeder.py and this script's classes by name.
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    init_local(num_cpus=2, include_dashboard=False, log_to_driver=False)
     ds = make_dataset(total_rows)
     out: dict[str, Any] = {"rows": total_rows, "tokens": total_rows * SEQ, "seq": SEQ, "rows_per_rank": K,
                            "load_avg_before": os.getloadavg()}
