@@ -34,6 +34,7 @@ from pipelines.train.checkpoint import (
     check_world_size,
     checkpoint_dir_name,
     data_state_problem,
+    newer_unregistered,
     newest_complete,
     resume_data_state,
 )
@@ -159,6 +160,21 @@ def test_cut_off_checkpoint_is_never_picked(tmp_path, caplog):
     (newest / MANIFEST).unlink()
     with pytest.raises(CheckpointError, match="manifest.json"):
         newest_complete(fs, str(newest))
+
+
+def test_a_complete_checkpoint_ray_did_not_register_is_resumed_from(tmp_path, caplog):
+    """A worker killed right after writing checkpoint 16 can die before Ray Train registers it, so
+    get_checkpoint() names 8: the newer complete one is taken, an incomplete newer one is not."""
+    fs = pafs.LocalFileSystem()
+    registered = _fake_checkpoint(tmp_path, 8)
+    assert newer_unregistered(fs, str(registered)) == str(registered)  # nothing newer
+    newer = _fake_checkpoint(tmp_path, 16)
+    assert newer_unregistered(fs, str(registered)) == str(newer)
+    assert "checkpoint_00000016 is complete but not registered" in caplog.text
+    cut = _fake_checkpoint(tmp_path, 24)
+    (cut / MANIFEST).unlink()  # its write was cut off
+    assert newer_unregistered(fs, str(registered)) == str(newer)
+    assert newer_unregistered(fs, str(newer)) == str(newer)
 
 
 def test_zero_steps_while_steps_remain_is_an_error(monkeypatch, tmp_path):

@@ -60,7 +60,9 @@ def _dashboard_url(log_path: Path, head: subprocess.Popen, timeout: float = 150.
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         text = log_path.read_text(errors="replace") if log_path.exists() else ""
-        found = re.search(r"http://127\.0\.0\.1:(\d+)", text.split("dashboard", 1)[-1]) if "dashboard" in text else None
+        # Ray 2.60 prints it as RAY_API_SERVER_ADDRESS='http://127.0.0.1:PORT' and "view the dashboard at 127.0.0.1:PORT".
+        found = (re.search(r"RAY_API_SERVER_ADDRESS='http://127\.0\.0\.1:(\d+)'", text)
+                 or re.search(r"view the dashboard at\s.*?127\.0\.0\.1:(\d+)", text, re.S))
         if "Ray runtime started" in text and found:
             return f"http://127.0.0.1:{found.group(1)}"
         if head.poll() is not None:

@@ -20,7 +20,9 @@ Resume (``run.resume``):
 
 * ``auto``: ``ray.train.get_checkpoint()`` -- the latest checkpoint of this run directory. Ray Train V2
   finds it from the run's ``checkpoint_manager_snapshot.json`` when the same ``run.name`` is started
-  again, and after a worker failure (``run.max_failures``).
+  again, and after a worker failure (``run.max_failures``). A newer complete checkpoint on storage that
+  Ray did not register (the worker died before its report reached the controller) wins
+  (:func:`newer_unregistered`).
 * ``never``: start from scratch; a checkpoint is only taken if this very ``fit()`` wrote it (its
   ``fit_id`` matches), so worker-failure restarts still resume, but an old run's state is ignored.
 * ``<path>``: a checkpoint directory (or a run directory: its newest ``checkpoint_*``) to start from
@@ -253,6 +255,29 @@ def newest_complete(fs: Any, candidate: str) -> str:
                           + ". Set run.resume=never (or a new run.name) to start over.")
 
 
+def newer_unregistered(fs: Any, path: str) -> str:
+    """The newest complete sibling of checkpoint ``path`` that is newer than it, else ``path``.
+
+    Ray Train registers a checkpoint when its controller processes the workers' report; a worker killed
+    right after writing checkpoint 16 (every file there, ``manifest.json`` last) can die before that, so
+    ``get_checkpoint()`` still names 8. Resuming from 8 would redo steps whose checkpoint is complete
+    on storage (and disagree with the driver's :func:`check_resume`, which reads the directory), so the
+    newest complete one is used, with a note.
+    """
+    parent, name = path.rstrip("/").rsplit("/", 1)
+    m = _CKPT_RE.match(name)
+    if m is None:
+        return path
+    for step, other in checkpoint_steps(fs, parent):
+        if step <= int(m.group(1)):
+            break
+        if checkpoint_problem(fs, other) is None:
+            logger.warning("checkpoint %s is complete but not registered with Ray Train (its worker died before "
+                           "the report reached the controller); resuming from it instead of %s", other, path)
+            return other
+    return path
+
+
 def latest_in_run_dir(path: str, storage: Any = None) -> tuple[Any, str]:
     """``(fs, path)`` of ``path`` itself if it is a checkpoint, else of its newest complete ``checkpoint_*``."""
     import pyarrow.fs as pafs
@@ -276,7 +301,7 @@ def restore(te: TrainEngine, resume: str, fit_id: str, storage: Any = None) -> T
     ckpt = ray.train.get_checkpoint()
     source = None
     if ckpt is not None:
-        path = newest_complete(ckpt.filesystem, ckpt.path)
+        path = newer_unregistered(ckpt.filesystem, newest_complete(ckpt.filesystem, ckpt.path))
         saved_fit = read_json(ckpt.filesystem, f"{path}/{STATE_FILE}").get("fit_id", "")
         if resume == "never" and saved_fit != fit_id:
             logger.warning("run.resume=never: ignoring the run directory's checkpoint %s", ckpt.path)
