@@ -2,7 +2,7 @@
 
 Ray Data's ``streaming_split`` hands blocks to whichever rank asks first, so which rank trains on
 which row changes run to run, and "rows seen per rank" cannot be turned back into a position. Here
-one small ``DataFeeder`` actor (created by rank 0 of each worker group, dying with it) iterates
+one small ``DataFeeder`` actor (created by rank 0 of each worker group on its node, dying with it) iterates
 the per-source datasets of :func:`pipelines.dataset.build_dataset` in order, mixes them
 (:mod:`pipelines.mixing`) and cuts the result into *items*:
 
@@ -347,6 +347,16 @@ class FeederClient:
 
 def start_feeder(cfg: Config, world_size: int, rows_per_rank: int, state: dict | None,
                  ledger_root: str | None, epochs: int | None = None) -> Any:
-    """Create the feeder actor (rank 0 does this; it dies with rank 0's worker group)."""
-    return DataFeeder.remote(dump_config(cfg), cfg.base_dir, world_size, rows_per_rank,
-                             cfg.train.epochs if epochs is None else epochs, state, ledger_root)
+    """Create the feeder actor on this node (rank 0 does this; it dies with rank 0's worker group).
+
+    It is pinned to the caller's node: left to Ray's default scheduling (or a soft affinity, which
+    falls back under load), the 0-CPU actor lands on any node, e.g. the head or a CPU-only tokenizer
+    node, and losing that node would then also end the training stream. On rank 0's node it adds no
+    failure domain of its own (tests/test_node_loss.py).
+    """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return DataFeeder.options(scheduling_strategy=here).remote(
+        dump_config(cfg), cfg.base_dir, world_size, rows_per_rank,
+        cfg.train.epochs if epochs is None else epochs, state, ledger_root)

@@ -44,7 +44,9 @@ def _data(tmp_path: Path) -> tuple[Path, Path]:
     return dirs
 
 
-def _config(tmp_path: Path, name: str, workers: int, **train):
+def _config(tmp_path: Path, name: str, workers: int, *, tokenize: dict | None = None,
+            worker_resources: dict | None = None, max_failures: int = 2, **train):
+    """The tiny run; ``tokenize``/``worker_resources`` place the actors (tests/test_node_loss.py)."""
     raw = {
         "model": {"tokenizer": "demo://tokenizer",
                   "init": {"architecture": "llama", "hidden_size": 64, "intermediate_size": 128,
@@ -52,12 +54,13 @@ def _config(tmp_path: Path, name: str, workers: int, **train):
         "data": {"sequence_len": 128, "packing": "bfd", "pack_buffer_size": 40, "shuffle_seed": 5,
                  "datasets": [{"path": str(d), "type": "input_output", "weight": w}
                               for d, w in zip(_data(tmp_path), WEIGHTS, strict=True)],
-                 "tokenize": {"num_actors": 1, "num_cpus": 0.25}},
+                 "tokenize": tokenize or {"num_actors": 1, "num_cpus": 0.25}},
         "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "epochs": 1, "learning_rate": 3e-3,
                   "warmup_steps": 2, "lr_scheduler": "constant", "log_every_steps": 1,
                   "checkpoint_every_steps": 3, "deepspeed": "zero0", **train},
-        "scaling": {"num_workers": workers, "resources_per_worker": {"CPU": 0.5}},
-        "run": {"name": name, "storage_path": str(tmp_path / "runs"), "max_failures": 2, "export_model": False},
+        "scaling": {"num_workers": workers, "resources_per_worker": worker_resources or {"CPU": 0.5}},
+        "run": {"name": name, "storage_path": str(tmp_path / "runs"), "max_failures": max_failures,
+                "export_model": False},
     }
     return config_from_dict(raw)
 

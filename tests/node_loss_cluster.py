@@ -1,0 +1,162 @@
+"""A multi-node Ray cluster on loopback that loses nodes mid-epoch (run by tests/test_node_loss.py).
+
+Run as a child process (it starts its own Ray)::
+
+    python tests/node_loss_cluster.py <tmp dir> <scenario>
+
+Nodes (``ray.cluster_utils.Cluster``, every raylet on 127.0.0.1, each its own node to Ray):
+
+    head        the driver and Ray Train's controller; CPU for read tasks
+    cpu         {cpu_node: 1}: the tokenizer actors (data.tokenize.resources)
+    train-a/b   {train_node: 1} each: one training worker per node (scaling.resources_per_worker)
+
+Scenarios:
+
+* ``recover``: once two checkpoints are in the ledger, kill (SIGKILL of all its processes)
+  the training node that holds rank 0 and the data feeder; once the restored run has committed
+  started the tokenizer actors of its new stream, kill the CPU node. After each kill a fresh node with the same resources joins, as a
+  cluster autoscaler would replace it. ``run.max_failures=3``.
+* ``fail``: the same first kill with ``run.max_failures=0``: the fit fails.
+
+Prints one ``NODE_LOSS {...}`` JSON line: what was killed, the fit's outcome and error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before ray is imported: nodes stay on 127.0.0.1
+
+import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+from test_exactly_once_train import _config, _ledger  # noqa: E402
+
+from pipelines.ray_local import LOOPBACK, keep_on_loopback  # noqa: E402
+
+# Node deaths are noticed within ~3 s instead of Ray's default ~30 s.
+HEALTH = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+CPU_NODE = {"num_cpus": 1, "resources": {"cpu_node": 1}}
+TRAIN_NODE = {"num_cpus": 1, "resources": {"train_node": 1}}
+
+
+def _actors(class_name: str) -> dict[str, str]:
+    """Actor id -> node id of the live actors whose class name contains ``class_name`` (GCS actor table)."""
+    return {a["ActorID"]: a["Address"]["NodeID"] for a in ray._private.state.actors().values()
+            if class_name in a["ActorClassName"] and a["State"] == "ALIVE"}
+
+
+def _wait(what: str, cond, timeout: float = 300.0) -> None:
+    t0 = time.time()
+    while not cond():
+        if time.time() - t0 > timeout:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+class Chaos:
+    """Kills (and replaces) nodes while the fit runs; records what it did."""
+
+    def __init__(self, cluster: Cluster, nodes: dict[str, object], tmp: Path, name: str, scenario: str) -> None:
+        self.cluster, self.nodes, self.tmp, self.name, self.scenario = cluster, nodes, tmp, name, scenario
+        self.events: list[dict] = []
+        self.error: str | None = None
+
+    def label(self, node_id: str) -> str:
+        """``train-a``, ``cpu'`` (a replacement), ``head``: the name of a node id in this script."""
+        if node_id == self.cluster.head_node.node_id:
+            return "head"
+        return next((k for k, n in self.nodes.items() if n.node_id == node_id), node_id[:8])
+
+    def _steps(self) -> int:
+        try:
+            return len(_ledger(self.tmp, self.name))
+        except (FileNotFoundError, OSError):
+            return 0
+
+    def _event(self, **event) -> None:
+        self.events.append(event)
+        print("CHAOS " + json.dumps(event), flush=True)
+
+    def _kill(self, label: str, replacement: dict | None) -> None:
+        node = self.nodes.pop(label)
+        self._event(killed=label, ledger_steps=self._steps(), t=round(time.time(), 1))
+        self.cluster.remove_node(node, allow_graceful=False)
+        if replacement is not None:
+            self.nodes[label + "'"] = self.cluster.add_node(node_ip_address=LOOPBACK, **replacement)
+            self._event(added=label + "'", t=round(time.time(), 1))
+
+    def run(self) -> None:
+        try:
+            # Ledger step 4 is written after checkpoint 2 was reported, so Ray Train has registered
+            # it by then (a checkpoint whose report is still in flight when its node dies is dropped,
+            # and the restored run starts before it: correct, but no test of a mid-epoch restore).
+            _wait("the second checkpoint", lambda: self._steps() >= 4)
+            feeder = set(_actors("DataFeeder").values())
+            tokenizers = set(_actors("MapWorker"))
+            self._event(train_worker_nodes=sorted(self.label(n) for n in _actors("RayTrainWorker").values()),
+                        feeder_node=sorted(self.label(n) for n in feeder))
+            holder = [k for k, n in self.nodes.items() if k.startswith("train") and n.node_id in feeder]
+            if len(holder) != 1:
+                raise RuntimeError(f"the data feeder is not on one training node: {self.events[-1]}")
+            self._kill(holder[0], TRAIN_NODE if self.scenario == "recover" else None)
+            if self.scenario != "recover":
+                return
+            # The restored worker group starts a new feeder, whose stream starts new tokenizer actors:
+            # the CPU node goes while they tokenize the rest of the epoch.
+            _wait("the restored run's tokenizer", lambda: set(_actors("MapWorker")) - tokenizers)
+            new = {a: n for a, n in _actors("MapWorker").items() if a not in tokenizers}
+            self._event(tokenizer_nodes=sorted(self.label(n) for n in new.values()))
+            self._kill("cpu", CPU_NODE)
+        except BaseException:
+            self.error = traceback.format_exc()
+            print("CHAOS_ERROR " + self.error, flush=True)
+
+
+def main(tmp: Path, scenario: str) -> None:
+    keep_on_loopback()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "node_ip_address": LOOPBACK, "num_cpus": 1, "include_dashboard": False, "_system_config": HEALTH})
+    nodes = {"cpu": cluster.add_node(node_ip_address=LOOPBACK, **CPU_NODE),
+             "train-a": cluster.add_node(node_ip_address=LOOPBACK, **TRAIN_NODE),
+             "train-b": cluster.add_node(node_ip_address=LOOPBACK, **TRAIN_NODE)}
+    ray.init(address=cluster.address, log_to_driver=False)
+    name = f"nodeloss_{scenario}"
+    cfg = _config(tmp, name, 2, checkpoint_every_steps=2,
+                  tokenize={"num_actors": 1, "num_cpus": 0.25, "resources": {"cpu_node": 1}},
+                  worker_resources={"CPU": 0.5, "train_node": 1},
+                  max_failures=3 if scenario == "recover" else 0)
+    # A replacement node takes ~30 s to join on a busy 2-core machine: wait for it, not Ray's 60 s.
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")
+    from pipelines.train.trainer import build_trainer
+
+    outcome = {"ok": False, "error": None, "error_type": None}
+
+    def fit() -> None:
+        try:
+            build_trainer(cfg).fit()
+            outcome["ok"] = True
+        except Exception as err:  # the failing scenario's expected end; reported to the test
+            outcome["error"], outcome["error_type"] = f"{err}", type(err).__name__
+
+    # The fit runs in a thread: Cluster.add_node must run in the main thread (it installs signal handlers).
+    thread = threading.Thread(target=fit, daemon=True)
+    thread.start()
+    chaos = Chaos(cluster, nodes, tmp, name, scenario)
+    chaos.run()
+    thread.join(timeout=None if chaos.error is None else 1)  # a failed kill plan must not wait on a stuck fit
+    print("NODE_LOSS " + json.dumps({**outcome, "events": chaos.events, "chaos_error": chaos.error,
+                                     "name": name}), flush=True)
+    ray.shutdown()
+    cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])
+    os._exit(0)

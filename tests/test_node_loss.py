@@ -1,0 +1,72 @@
+"""Node loss, not just process loss: a loopback multi-node Ray cluster loses nodes mid-epoch.
+
+Each test runs tests/node_loss_cluster.py in a child process (it starts its own Ray cluster: a head,
+a CPU-only tokenizer node and two training nodes, all raylets on 127.0.0.1) and reads the run's
+ledger here. Both train the tiny Llama of tests/test_exactly_once_train.py on its 600 samples.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_exactly_once_train import _assert_exactly_once, _ledger
+
+from pipelines.resume import sample_counts
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _run(tmp_path: Path, scenario: str) -> dict:
+    env = {**os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "node_loss_cluster.py"), str(tmp_path), scenario],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
+    out = proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("NODE_LOSS ")]
+    assert proc.returncode == 0 and lines, out[-4000:]
+    res = json.loads(lines[-1].removeprefix("NODE_LOSS "))
+    assert res["chaos_error"] is None, res["chaos_error"]
+    return res
+
+
+def _metrics(tmp_path: Path, name: str) -> list[dict]:
+    return [json.loads(x) for x in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def _checkpoint_steps(tmp_path: Path, name: str) -> list[int]:
+    return sorted(int(p.name.split("_")[1]) for p in (tmp_path / "runs" / name).glob("checkpoint_*") if p.is_dir())
+
+
+def test_losing_a_training_node_then_the_tokenizer_node_completes_exactly_once(tmp_path):
+    res = _run(tmp_path, "recover")
+    assert res["ok"], res
+    placed, first, seen, second = (e for e in res["events"] if "added" not in e)
+    assert [e["added"] for e in res["events"] if "added" in e] == [first["killed"] + "'", "cpu'"]
+    # Two workers on two nodes; the data feeder on rank 0's node, which is the one lost first.
+    assert placed["train_worker_nodes"] == ["train-a", "train-b"], placed
+    assert first["killed"] in placed["feeder_node"] and first["killed"].startswith("train"), (placed, first)
+    assert seen["tokenizer_nodes"] == ["cpu"], seen  # the restored stream's tokenizer, on the CPU node
+    assert second["killed"] == "cpu"
+    entries = _ledger(tmp_path, res["name"])
+    assert 4 <= first["ledger_steps"] < len(entries), (res["events"], len(entries))  # mid-epoch
+    _assert_exactly_once(entries)
+    metrics = _metrics(tmp_path, res["name"])
+    resumes = [r["step"] for r in metrics if r["kind"] == "resume"]
+    assert resumes and 2 <= resumes[0] <= first["ledger_steps"], resumes  # restored from a checkpoint
+    assert [r for r in metrics if r["kind"] == "summary"][-1]["step"] == len(entries)
+
+
+def test_node_loss_without_max_failures_fails_clearly_and_records_only_trained_steps(tmp_path):
+    res = _run(tmp_path, "fail")
+    assert not res["ok"], res
+    assert "died" in res["error"].lower() or "node" in res["error"].lower(), res["error"]
+    entries = _ledger(tmp_path, res["name"])
+    ckpts = _checkpoint_steps(tmp_path, res["name"])
+    # The ledger holds the steps of the last checkpoint, no more: steps trained after it are not in it.
+    assert entries and [e.step for e in entries] == list(range(1, ckpts[-1] + 1)), (ckpts, len(entries))
+    assert set(sample_counts(entries).values()) == {1}
