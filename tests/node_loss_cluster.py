@@ -98,7 +98,7 @@ class Chaos:
             # it by then (a checkpoint whose report is still in flight when its node dies is dropped,
             # and the restored run starts before it: correct, but no test of a mid-epoch restore).
             _wait("the second checkpoint", lambda: self._steps() >= 4)
-            feeder = set(_actors("DataFeeder").values())
+            feeder = set(_actors("Feeder").values())  # pipelines.feeder.DataFeeder: the Feeder class as an actor
             tokenizers = set(_actors("MapWorker"))
             self._event(train_worker_nodes=sorted(self.label(n) for n in _actors("RayTrainWorker").values()),
                         feeder_node=sorted(self.label(n) for n in feeder))
