@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -118,11 +120,16 @@ def _records(run: Path, kind: str) -> list[dict]:
 
 @pytest.mark.timeout(900)
 def test_sft_entry_point_prints_clean_lines_and_a_true_summary(tmp_path):
-    env = {**os.environ, "PYTHONWARNINGS": "default::DeprecationWarning,default::FutureWarning",
-           "RAY_TMPDIR": os.environ.get("RAY_TMPDIR", str(tmp_path / "ray"))}
+    # Ray's socket paths must stay under 108 bytes; pytest's tmp_path can be too long for them.
+    ray_tmp = os.environ.get("RAY_TMPDIR") or tempfile.mkdtemp(prefix="rc", dir="/tmp")
+    env = {**os.environ, "PYTHONWARNINGS": "default::DeprecationWarning,default::FutureWarning", "RAY_TMPDIR": ray_tmp}
     env.pop("RAY_ADDRESS", None)
     cmd = [sys.executable, str(ROOT / "ray_jobs" / "sft.py"), *TINY, f"run.storage_path={tmp_path}", "run.name=demo"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=880)
+    try:
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=880)
+    finally:
+        if ray_tmp != os.environ.get("RAY_TMPDIR"):
+            shutil.rmtree(ray_tmp, ignore_errors=True)
     out = proc.stdout + proc.stderr
     (tmp_path / "console.txt").write_text(out)  # what the user saw, kept with pytest's tmp dirs
     assert proc.returncode == 0, out[-4000:]
