@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from pipelines.feeder import Feeder, FeederClient, list_rows  # noqa: E402
+from pipelines.feeder import Feeder, FeederClient, feeder_concurrency, list_rows  # noqa: E402
 from pipelines.ray_local import init_local  # noqa: E402
 from pipelines.sources import make_sample_id  # noqa: E402
 
@@ -188,7 +188,7 @@ def run_feeder(ds: ray.data.Dataset, ranks: list[Any], old: bool) -> dict[str, A
 
         cfg = config_from_dict({"model": {"tokenizer": str(GPT2.parent)},
                                 "data": {"datasets": [{"path": str(C4), "type": "completion"}]}})
-        feeder = ray.remote(num_cpus=0, max_concurrency=64)(NewFeeder).remote(
+        feeder = ray.remote(num_cpus=0, max_concurrency=feeder_concurrency(n))(NewFeeder).remote(
             dump_config(cfg), cfg.base_dir, n, K, 1, None, None, 4, MaterializedPlan(ds))
     cpu0, _ = ray.get(feeder.usage.remote())
     t0 = time.perf_counter()

@@ -13,7 +13,7 @@ the per-source datasets of :func:`pipelines.dataset.build_dataset` in order, mix
 
 The feeder is a control plane: the packed rows stay in Ray's object store as the Arrow blocks the
 packing stage wrote. The feeder reads only their small columns (row lengths, ``sample_ids``, the
-``unit_*`` position columns) and hands each rank a :class:`RankItem`: block references and row
+``unit_*`` position columns), on the node that holds each block, and hands each rank a :class:`RankItem`: block references and row
 ranges, never the tokens. Ranks fetch their slices themselves (:mod:`pipelines.train.feed`). Worked
 example, 2 ranks x 2 rows, a step mixing 3 rows of block A (source 0) and 1 row of block B::
 
@@ -23,7 +23,8 @@ example, 2 ranks x 2 rows, a step mixing 3 rows of block A (source 0) and 1 row 
 
 The global row order does not depend on the world size, so a run checkpointed with 2 workers
 resumes with 1 (or 1 with 2) at the same row. Ranks fetch items by index through
-:class:`FeederClient`, which prefetches; the feeder prefetches too, in a thread.
+:class:`FeederClient`, which prefetches, taking every ready item (up to 4) per call; the feeder
+prefetches too, in a thread.
 ``commit(item)`` returns the state to checkpoint and writes the ledger of the steps up to it.
 The state after an epoch's last step already says the epoch is done (the feeder looks one row
 ahead), so a checkpoint taken there resumes in the next epoch, not in an empty rest of this one.
@@ -35,13 +36,15 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipelines.config import Config, config_from_dict, dump_config
 from pipelines.dataset import build_dataset, data_report
@@ -51,7 +54,8 @@ from pipelines.sources import resolve_sources
 from pipelines.storage import StorageOptions, filesystem_for
 from pipelines.units import file_positions
 
-__all__ = ["DataFeeder", "Feeder", "FeederClient", "RankItem", "RowSlice", "fetch_rows", "list_rows", "start_feeder"]
+__all__ = ["DataFeeder", "Feeder", "FeederClient", "RankItem", "RowSlice", "block_nodes", "feeder_concurrency",
+           "fetch_rows", "list_rows", "start_feeder"]
 
 logger = logging.getLogger(__name__)
 
@@ -154,18 +158,58 @@ def split_ranks(picked: list[Picked], world: int, k: int) -> list[list[Picked]]:
     return ranks
 
 
-def _chunks_of(ds: ray.data.Dataset) -> Iterator[Chunk]:
-    """The dataset's blocks in stream order, as chunks: references plus their small columns."""
-    for bundle in ds.iter_internal_ref_bundles():
-        for entry, cut in zip(bundle.blocks, bundle.slices, strict=True):
-            table = ray.get(entry.ref)
-            if not isinstance(table, pa.Table):
-                from ray.data.block import BlockAccessor
+def _arrow(block: Any) -> pa.Table:
+    if isinstance(block, pa.Table):
+        return block
+    from ray.data.block import BlockAccessor
 
-                table = BlockAccessor.for_block(table).to_arrow()
-            start, stop = (0, table.num_rows) if cut is None else (cut.start_offset, cut.end_offset)
-            if stop > start:
-                yield Chunk.from_table(table, entry.ref, start, stop)
+    return BlockAccessor.for_block(block).to_arrow()
+
+
+@ray.remote(num_cpus=0)
+def _chunk_where_it_lies(block: Any, start: int, stop: int) -> Chunk:
+    """:meth:`Chunk.from_table`, run on the node that holds the block: only the small arrays travel."""
+    return Chunk.from_table(_arrow(block), None, start, stop)
+
+
+def block_nodes(refs: list[Any]) -> dict[Any, list[str]]:
+    """The ids of the nodes holding each block: the owner's own table first (no RPC), else the owner is
+    asked. An empty list: the block is inlined (under 100 KB, it travels with its reference)."""
+    from ray.experimental import get_local_object_locations, get_object_locations
+
+    locs = get_local_object_locations(refs)
+    if missing := [r for r in refs if not (locs.get(r) or {}).get("node_ids")]:
+        locs.update(get_object_locations(missing))
+    return {r: list((locs.get(r) or {}).get("node_ids") or []) for r in refs}
+
+
+def _chunks_of(ds: ray.data.Dataset) -> Iterator[Chunk]:
+    """The dataset's blocks in stream order, as chunks: references plus their small columns.
+
+    A block in this node's object store (or inlined) is read in place, zero-copy. A block on another
+    node is not pulled here: a 0-CPU task on that node reads its small columns and returns only those
+    (a few KB per block), so the feeder's node (rank 0's) never receives the whole run's tokens. The
+    tasks of a bundle's remote blocks are all submitted before the first is awaited.
+    """
+    here = ray.get_runtime_context().get_node_id()
+    for bundle in ds.iter_internal_ref_bundles():
+        nodes = block_nodes([entry.ref for entry in bundle.blocks])
+        parts: list[tuple[Any, int, int | None, Any]] = []  # block, start, stop, pending task
+        for entry, cut in zip(bundle.blocks, bundle.slices, strict=True):
+            start, stop = (0, entry.metadata.num_rows) if cut is None else (cut.start_offset, cut.end_offset)
+            where, task = nodes[entry.ref], None
+            if where and here not in where and stop is not None and stop > start:
+                far = NodeAffinitySchedulingStrategy(where[0], soft=True)
+                task = _chunk_where_it_lies.options(scheduling_strategy=far).remote(entry.ref, start, stop)
+            parts.append((entry.ref, start, stop, task))
+        for ref, start, stop, task in parts:
+            if task is not None:
+                chunk = replace(ray.get(task), block=ref)
+            else:
+                table = _arrow(ray.get(ref))
+                chunk = Chunk.from_table(table, ref, start, table.num_rows if stop is None else stop)
+            if len(chunk):
+                yield chunk
 
 
 class StreamPlan:
@@ -274,8 +318,11 @@ class Feeder:
             self._cond.notify_all()
 
     # ---- served to ranks
-    def get(self, index: int, rank: int) -> RankItem | None:
-        """Item ``index`` for ``rank`` (blocks until produced); ``None`` when the training data is over."""
+    def get(self, index: int, rank: int, most: int = 1) -> list[RankItem]:
+        """Items ``index, index + 1, ...`` for ``rank``: blocks until item ``index`` is produced, then
+        also takes the items after it that are already produced, ``most`` in all (one call, not
+        ``most``: the feeder's cost is per call). ``[]`` when the training data is over.
+        """
         with self._cond:
             while index not in self._items:
                 if index in self._served:
@@ -283,17 +330,24 @@ class Feeder:
                 if self._error is not None:
                     raise RuntimeError(f"data feeder failed: {self._error!r}") from self._error
                 if self._finished and index not in self._items:
-                    return None
+                    return []
                 self._cond.wait(timeout=1.0)
-            item = self._items[index]
-            item.fetched.add(rank)
-            if len(item.fetched) == self.world:  # every rank has it: drop the block references
-                del self._items[index]
-                self._served.add(index)
-                if item.kind == "step":
-                    self._pending.append(item.ledger_entry())
-                self._cond.notify_all()
-            return item.for_rank(rank)
+            out: list[RankItem] = []
+            while index in self._items and len(out) < most:
+                out.append(self._fetched(self._items[index], rank))
+                index += 1
+            return out
+
+    def _fetched(self, item: Item, rank: int) -> RankItem:
+        """``rank`` takes ``item`` (under the lock); once every rank has, its block references go."""
+        item.fetched.add(rank)
+        if len(item.fetched) == self.world:
+            del self._items[item.index]
+            self._served.add(item.index)
+            if item.kind == "step":
+                self._pending.append(item.ledger_entry())
+            self._cond.notify_all()
+        return item.for_rank(rank)
 
     def commit(self, index: int) -> dict:
         """The data state after item ``index`` (to checkpoint); the ledger gets the steps up to it."""
@@ -322,26 +376,45 @@ class Feeder:
         return totals
 
 
-DataFeeder = ray.remote(num_cpus=0, max_concurrency=64)(Feeder)
+DataFeeder = ray.remote(num_cpus=0)(Feeder)
+
+
+def feeder_concurrency(world_size: int) -> int:
+    """Threads the feeder actor needs: each rank keeps one (blocking) request in flight, plus commits
+    and reports. Fewer would let requests for later items hold every thread while a slow rank's
+    request for the item they wait on queues behind them."""
+    return 2 * world_size + 8
 
 
 class FeederClient:
-    """A rank's view of the feeder: ``next()`` returns the next :class:`RankItem` for this rank, prefetched."""
+    """A rank's view of the feeder: ``next()`` returns the next :class:`RankItem` for this rank.
 
-    def __init__(self, feeder: Any, rank: int, start_index: int = 0, prefetch: int = 2) -> None:
-        self.feeder, self.rank, self.index, self.prefetch = feeder, rank, start_index, prefetch
-        self._futures: dict[int, Any] = {}
+    It keeps one request in flight, for the items after those it holds, and each request takes up to
+    ``batch`` items that are ready: one actor call per ``batch`` steps when the feeder is ahead.
+    """
 
-    def _request(self, i: int) -> None:
-        if i not in self._futures:
-            self._futures[i] = self.feeder.get.remote(i, self.rank)
+    def __init__(self, feeder: Any, rank: int, start_index: int = 0, batch: int = 4) -> None:
+        self.feeder, self.rank, self.index, self.batch = feeder, rank, start_index, batch
+        self._ready: deque[RankItem] = deque()  # items index, index + 1, ... already here
+        self._pending: Any = None  # the request for the items after them
+        self._over = False
+
+    def _request(self) -> None:
+        if self._pending is None and not self._over:
+            self._pending = self.feeder.get.remote(self.index + len(self._ready), self.rank, self.batch)
 
     def next(self) -> RankItem | None:
-        for i in range(self.index, self.index + self.prefetch + 1):
-            self._request(i)
-        item = ray.get(self._futures.pop(self.index))
-        if item is not None:
-            self.index += 1
+        self._request()
+        if not self._ready and self._pending is not None:
+            items, self._pending = ray.get(self._pending), None
+            self._over = not items
+            self._ready.extend(items)
+        if not self._ready:
+            return None
+        item = self._ready.popleft()
+        assert item.index == self.index, (item.index, self.index)
+        self.index += 1
+        self._request()  # the next items load while this one trains
         return item
 
 
@@ -354,9 +427,7 @@ def start_feeder(cfg: Config, world_size: int, rows_per_rank: int, state: dict |
     node, and losing that node would then also end the training stream. On rank 0's node it adds no
     failure domain of its own (tests/test_node_loss.py).
     """
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return DataFeeder.options(scheduling_strategy=here).remote(
+    return DataFeeder.options(scheduling_strategy=here, max_concurrency=feeder_concurrency(world_size)).remote(
         dump_config(cfg), cfg.base_dir, world_size, rows_per_rank,
         cfg.train.epochs if epochs is None else epochs, state, ledger_root)
