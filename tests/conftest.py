@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -80,3 +85,54 @@ def write_jsonl(path: Path, records: list) -> Path:
 
 # A real S3 endpoint on loopback (moto_server), session-scoped; see tests/conftest_s3.py.
 from conftest_s3 import moto_s3, s3_env  # noqa: E402, F401
+
+# --------------------------------------------------------------------------- the default job, run once
+
+# The default job's entry point with a smaller model: tests/test_console.py reads its console and
+# tests/test_security_placement.py its Ray address and everything it wrote, from one run.
+SFT_TINY = ["model.init.hidden_size=64", "model.init.intermediate_size=128", "model.init.num_hidden_layers=2",
+            "train.micro_batch_size=2", "train.max_steps=6", "train.log_every_steps=2", "train.warmup_steps=1",
+            "train.eval_every_steps=3", "train.eval_max_batches=2", "train.checkpoint_every_steps=3"]
+# Credentials the job must never print or write (it gets them in its environment).
+FAKE_AWS = {
+    "AWS_ACCESS_KEY_ID": "AKIAFAKEPIPELINESTEST1",
+    "AWS_SECRET_ACCESS_KEY": "fake/Secret+Key/For/Pipelines/Tests/0123456789",
+    "AWS_SESSION_TOKEN": "FakeSessionTokenForPipelinesTests0123456789abcdef",
+}
+
+
+@dataclass(frozen=True)
+class JobRun:
+    """One finished run of ``python ray_jobs/sft.py``: its exit code, console and run directory."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    run_dir: Path
+
+    @property
+    def console(self) -> str:
+        return self.stdout + self.stderr
+
+
+@pytest.fixture(scope="session")
+def sft_job(tmp_path_factory) -> JobRun:
+    """``python ray_jobs/sft.py`` + :data:`SFT_TINY` from a fresh directory, as a user runs it: its own
+    local Ray (not the session's), deprecation warnings shown, fake AWS credentials in its
+    environment, and no single-machine hint from this process (the job keeps Ray on loopback itself)."""
+    from pipelines.ray_local import SINGLE_MACHINE_ENV
+
+    tmp = tmp_path_factory.mktemp("sft_job")
+    # Ray's socket paths must stay under 108 bytes; pytest's tmp dirs can be too long for them.
+    ray_tmp = tempfile.mkdtemp(prefix="rj", dir="/tmp")
+    env = {**os.environ, **FAKE_AWS, "RAY_TMPDIR": ray_tmp, "PYTHONUNBUFFERED": "1",
+           "PYTHONWARNINGS": "default::DeprecationWarning,default::FutureWarning"}
+    for key in ("RAY_ADDRESS", SINGLE_MACHINE_ENV):
+        env.pop(key, None)
+    cmd = [sys.executable, str(ROOT / "ray_jobs" / "sft.py"), *SFT_TINY, f"run.storage_path={tmp}", "run.name=demo"]
+    try:
+        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=880)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    (tmp / "console.txt").write_text(proc.stdout + proc.stderr)  # what the user saw, kept with pytest's tmp dirs
+    return JobRun(proc.returncode, proc.stdout, proc.stderr, tmp / "demo")

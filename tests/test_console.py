@@ -8,12 +8,7 @@ model) and checks the printed block against what the run wrote (summary.json, me
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -107,9 +102,6 @@ def test_worker_console_setup_reaches_ray_trains_report_logger():
 
 # --------------------------------------------------------------------------- the entry point, end to end
 
-TINY = ["model.init.hidden_size=64", "model.init.intermediate_size=128", "model.init.num_hidden_layers=2",
-        "train.micro_batch_size=2", "train.max_steps=6", "train.log_every_steps=2", "train.warmup_steps=1",
-        "train.eval_every_steps=3", "train.eval_max_batches=2", "train.checkpoint_every_steps=3"]
 # A warning line as Python prints it: "<file>:<line>: <Category>: message"
 OURS = re.compile(r"(?:pipelines|ray_jobs)/[\w/]+\.py:\d+: \w*(?:DeprecationWarning|FutureWarning)")
 
@@ -119,25 +111,13 @@ def _records(run: Path, kind: str) -> list[dict]:
 
 
 @pytest.mark.timeout(900)
-def test_sft_entry_point_prints_clean_lines_and_a_true_summary(tmp_path):
-    # Ray's socket paths must stay under 108 bytes; pytest's tmp_path can be too long for them.
-    ray_tmp = os.environ.get("RAY_TMPDIR") or tempfile.mkdtemp(prefix="rc", dir="/tmp")
-    env = {**os.environ, "PYTHONWARNINGS": "default::DeprecationWarning,default::FutureWarning", "RAY_TMPDIR": ray_tmp}
-    env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, str(ROOT / "ray_jobs" / "sft.py"), *TINY, f"run.storage_path={tmp_path}", "run.name=demo"]
-    try:
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=880)
-    finally:
-        if ray_tmp != os.environ.get("RAY_TMPDIR"):
-            shutil.rmtree(ray_tmp, ignore_errors=True)
-    out = proc.stdout + proc.stderr
-    (tmp_path / "console.txt").write_text(out)  # what the user saw, kept with pytest's tmp dirs
-    assert proc.returncode == 0, out[-4000:]
-    check_console(out, tmp_path / "demo")
+def test_sft_entry_point_prints_clean_lines_and_a_true_summary(sft_job):
+    assert sft_job.returncode == 0, sft_job.console[-4000:]
+    check_console(sft_job.console, sft_job.run_dir)
 
 
 def check_console(out: str, run: Path) -> None:
-    """The console of a ``TINY`` run (stdout + stderr) against what it wrote to ``run``."""
+    """The console of a ``conftest.SFT_TINY`` run (stdout + stderr) against what it wrote to ``run``."""
     assert not OURS.findall(out), OURS.findall(out)
     assert "exclude_resources" not in out  # Ray Train's default ingest options, avoided in build_trainer
     assert "Reporting training result" not in out  # Ray Train's per-report dump from every rank

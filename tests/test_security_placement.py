@@ -8,33 +8,23 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from pipelines.ray_local import SINGLE_MACHINE_ENV
+from conftest import FAKE_AWS
 
 ROOT = Path(__file__).resolve().parents[1]
-FAKE = {
-    "AWS_ACCESS_KEY_ID": "AKIAFAKEPIPELINESTEST1",
-    "AWS_SECRET_ACCESS_KEY": "fake/Secret+Key/For/Pipelines/Tests/0123456789",
-    "AWS_SESSION_TOKEN": "FakeSessionTokenForPipelinesTests0123456789abcdef",
-}
 
 
 @pytest.mark.timeout(900)
-def test_default_job_on_loopback_and_no_credentials_in_anything_it_writes_or_prints(tmp_path):
-    env = {**os.environ, **FAKE, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
-    env.pop(SINGLE_MACHINE_ENV, None)  # the job must keep its Ray on loopback by itself
-    cmd = [sys.executable, "ray_jobs/sft.py", "train.max_steps=4", "train.log_every_steps=2",
-           "train.checkpoint_every_steps=2", f"run.storage_path={tmp_path}", "run.name=secrets"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=800)
-    printed = proc.stdout + proc.stderr
-    assert proc.returncode == 0, printed[-3000:]
+def test_default_job_on_loopback_and_no_credentials_in_anything_it_writes_or_prints(sft_job):
+    """The run of ``conftest.sft_job``: the job had fake AWS credentials in its environment and no
+    single-machine hint from pytest."""
+    assert sft_job.returncode == 0, sft_job.console[-3000:]
     # The default job's local Ray advertises loopback only (the GCS's view of its node, read by the job).
-    assert "ray: local instance on 127.0.0.1 (" in proc.stdout, printed[-3000:]
-    files = [p for p in (tmp_path / "secrets").rglob("*") if p.is_file()]
+    assert "ray: local instance on 127.0.0.1 (" in sft_job.stdout, sft_job.console[-3000:]
+    files = [p for p in sft_job.run_dir.rglob("*") if p.is_file()]
     assert any(p.name == "trainer_state.json" for p in files) and any(p.name == "metrics.jsonl" for p in files)
     assert any(p.parent.name == "model" for p in files)  # the export was written too
-    for secret in FAKE.values():
-        assert secret not in printed
+    for secret in FAKE_AWS.values():
+        assert secret not in sft_job.console
         for p in files:
             assert secret.encode() not in p.read_bytes(), f"{secret[:8]}... found in {p}"
 
