@@ -13,9 +13,10 @@ the per-source datasets of :func:`pipelines.dataset.build_dataset` in order, mix
 
 The feeder is a control plane: the packed rows stay in Ray's object store as the Arrow blocks the
 packing stage wrote. The feeder reads only their small columns (row lengths, ``sample_ids``, the
-``unit_*`` position columns), on the node that holds each block, and hands each rank a :class:`RankItem`: block references and row
-ranges, never the tokens. Ranks fetch their slices themselves (:mod:`pipelines.train.feed`). Worked
-example, 2 ranks x 2 rows, a step mixing 3 rows of block A (source 0) and 1 row of block B::
+``unit_*`` position columns), on the node that holds each block, and hands each rank a
+:class:`RankItem`: block references and row ranges, never the tokens. Ranks fetch their slices
+themselves (:mod:`pipelines.train.feed`). Worked example, 2 ranks x 2 rows, a step mixing 3 rows of
+block A (source 0) and 1 row of block B::
 
     picks   A[5:7]  B[0:1]  A[7:8]
     rank 0  RowSlice(A, 5, 7)
