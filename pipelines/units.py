@@ -4,7 +4,7 @@ A *unit* is a run of consecutive records of one file (``data.pack_buffer_size`` 
 packed on its own, so its rows depend only on its records and the config, and a stream position is
 "file, unit, rows done". The stream's first unit (row 0 of the first file of an epoch's read order)
 is smaller: it ends once its records reach :data:`FIRST_UNIT_BYTES`, so the first packed row comes
-after ~300 Alpaca-sized records instead of a whole pack buffer. Like every boundary it depends only
+after ~4,700 Alpaca-sized records (4 MB) instead of a whole pack buffer. Like every boundary it depends only
 on the data and the config, so a resumed run cuts the same units.
 The unit travels *in the data*, as constant columns, never as a block boundary the runtime must keep:
 
@@ -55,18 +55,21 @@ __all__ = [
 ]
 
 # Ray Data's target block size for the pipeline's datasets. A read task's output is buffered until it
-# exceeds this, so a unit block (one row, hence never sliced) leaves its task as soon as it is read
-# instead of when the task ends (the default is 128 MB); packed rows are sliced into blocks of about
-# this size.
-READ_BLOCK_BYTES = 256 << 10
+# exceeds this, so a unit block (one row, hence never sliced) of at least this size leaves its task as
+# soon as it is read instead of when the task ends (the default is 128 MB). The same setting slices the
+# tokenizer stage's packed rows into blocks of about this size (Ray 2.60 has one per dataset), and a
+# running task may only be 2 blocks ahead of Ray Data's executor, so small blocks starve the tokenizer
+# actor. On the B2 data (BENCHMARKS.md): 256 kB gave 0.19 M tok/s steady, 1 MB 0.49 M, 4 MB 0.67-0.74 M.
+READ_BLOCK_BYTES = 4 << 20
 # The stream's first unit ends once its records reach this many characters (the block target: its
-# block is then larger than the target and leaves the read task at once). About 320 Alpaca records.
+# block is then larger than the target and leaves the read task at once). About 4,700 Alpaca records.
 FIRST_UNIT_BYTES = READ_BLOCK_BYTES
 
 # Bump when the same data and config would be cut into other units or shuffled differently; it is part
 # of the stream fingerprint, so a checkpoint of another layout is refused instead of resumed off by rows.
 # 2: the stream's first unit is small (FIRST_UNIT_BYTES); unit rows shuffled by pipelines.seeds.unit_shuffle_seed.
-STREAM_LAYOUT = 2
+# 3: FIRST_UNIT_BYTES 256 kB -> 4 MB (with READ_BLOCK_BYTES).
+STREAM_LAYOUT = 3
 
 # Constant within a unit; they let packing verify it saw a whole unit and let the trainer turn
 # "rows consumed" into a resume position.

@@ -181,7 +181,9 @@ def _assert_docs_rebuilt(rows: list[dict], docs: list[list[int]]) -> int:
 
 def test_c4_concat_every_token_once(ray_local):
     texts = [json.loads(line)["text"] for line in C4.read_text().splitlines() if line.strip()]
-    cfg = make_config([{"path": str(C4), "type": "completion"}], sequence_len=512, packing="concat")
+    # 300 documents (737 kB) in units of 100: three units, each packed on its own
+    cfg = make_config([{"path": str(C4), "type": "completion"}], sequence_len=512, packing="concat",
+                      pack_buffer_size=100)
     ds = build_dataset(cfg)
     rows = ds.take_all()
     _check_rows(rows, 512)
@@ -189,8 +191,8 @@ def test_c4_concat_every_token_once(ray_local):
     assert _assert_docs_rebuilt(rows, docs) > 50  # many documents really were split across rows
     c = data_report(ds)["counters"]
     assert sum(len(r["input_ids"]) for r in rows) == sum(map(len, docs)) == c["tokens"]
-    # one partial row per unit: the stream's small first unit (256 kB of records) and the rest of the file
-    assert sum(len(r["input_ids"]) < 512 for r in rows) == c["concat_partial_rows"] == 2
+    # one partial row per unit
+    assert sum(len(r["input_ids"]) < 512 for r in rows) == c["concat_partial_rows"] == 3
 
 
 def test_tinyshakespeare_plain_text_concat(ray_local):

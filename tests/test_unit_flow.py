@@ -2,57 +2,64 @@
 
 Before issue 10, Ray Data's read operator buffered a read task's unit blocks up to 128 MB, so a task's
 units left it together when the task ended; now each unit is one row of its own block and the
-dataset's target block size is small, so the read operator produces one block per unit.
+dataset's target block size is 4 MB, so the read operator produces one block per unit of 4 MB or more.
 """
 
 from __future__ import annotations
 
+import json
 import re
 
 import pyarrow as pa
-from conftest import LIMA, make_config, needs_shared
+from conftest import LIMA, make_config, needs_shared, write_jsonl
 
 from pipelines.datasource import read_files
 from pipelines.stats import StatsSink
 from pipelines.units import FIRST_UNIT_BYTES, explode_units
 
+COPIES, PACK = 5, 2000
 
-def _cfg():
-    # 1,029 LIMA records of ~2.9 kB: 200-record units are ~580 kB, well over the 256 kB block target.
-    return make_config([{"path": str(LIMA), "type": "alpaca"}], sequence_len=1024, pack_buffer_size=200,
+
+def _cfg(tmp_path):
+    # LIMA 5 times over: 5,145 real records of ~2.9 kB. 2,000-record units are ~5.8 MB, over the 4 MB
+    # block target; the first unit ends at 4 MB of records (~1,400), the last holds the rest.
+    records = json.loads(LIMA.read_text(encoding="utf-8")) * COPIES
+    path = write_jsonl(tmp_path / "lima5.jsonl", records)
+    return make_config([{"path": str(path), "type": "alpaca"}], sequence_len=1024, pack_buffer_size=PACK,
                        read_tasks=1)
 
 
 @needs_shared
-def test_read_blocks_are_one_row_per_unit_and_first_unit_is_small():
+def test_read_blocks_are_one_row_per_unit_and_first_unit_is_small(tmp_path):
     from pipelines.dataset import _read_options
     from pipelines.sources import resolve_sources
 
-    cfg = _cfg()
+    cfg = _cfg(tmp_path)
     table = resolve_sources(cfg)
     blocks = list(read_files(list(table.files), _read_options(cfg, table, "train", first_unit_source=0), StatsSink()))
     assert all(b.num_rows == 1 for b in blocks)
     sizes = [b.column("unit_records")[0].as_py() for b in blocks]
-    assert sizes[1:-1] == [200] * (len(sizes) - 2) and sum(sizes) == 1029
+    n = 1029 * COPIES
+    assert len(sizes) == 3 and sizes[1] == PACK and sum(sizes) == n
     first = explode_units(blocks[0])
-    assert 0 < sizes[0] < 200 and sum(len(r) for r in first.column("record").to_pylist()) >= FIRST_UNIT_BYTES
+    assert 0 < sizes[0] < PACK and sum(len(r) for r in first.column("record").to_pylist()) >= FIRST_UNIT_BYTES
     # records come out in file order, ids consecutive from row 0, unit columns repeated per record
     ids = pa.concat_tables([explode_units(b) for b in blocks]).column("sample_id").to_pylist()
-    assert ids == list(range(1029))
+    assert ids == list(range(n))
 
 
 @needs_shared
-def test_read_operator_emits_one_block_per_unit_and_rows_match_local(ray_local):
+def test_read_operator_emits_one_block_per_unit_and_rows_match_local(ray_local, tmp_path):
     from pipelines.dataset import build_dataset, iter_packed_local
 
-    cfg = _cfg()
+    cfg = _cfg(tmp_path)
     ds = build_dataset(cfg)
     rows = [r for b in ds.iter_batches(batch_size=None, batch_format="pyarrow") for r in b.to_pylist()]
     stats = ds.stats()
     m = re.search(r"ReadShards[^\n]*?(\d+) tasks executed, (\d+) blocks produced", stats)
     assert m, stats[:2000]
     tasks, blocks = int(m.group(1)), int(m.group(2))
-    assert tasks == 1 and blocks == 6, stats[:2000]  # 1 small first unit + 4 x 200 + the rest: 6 units
+    assert tasks == 1 and blocks == 3, stats[:2000]  # the small first unit, 2,000 records, the rest: 3 units
     local = [r for t in iter_packed_local(cfg) for r in t.to_pylist()]
     assert len(rows) == len(local) > 100
     assert [r["sample_ids"] for r in rows] == [r["sample_ids"] for r in local]
