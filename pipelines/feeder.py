@@ -377,14 +377,15 @@ class Feeder:
         return totals
 
 
-DataFeeder = ray.remote(num_cpus=0)(Feeder)
-
-
 def feeder_concurrency(world_size: int) -> int:
     """Threads the feeder actor needs: each rank keeps one (blocking) request in flight, plus commits
     and reports. Fewer would let requests for later items hold every thread while a slow rank's
     request for the item they wait on queues behind them."""
     return 2 * world_size + 8
+
+
+# Threaded by default (blocking gets need it); start_feeder sizes the threads to the world.
+DataFeeder = ray.remote(num_cpus=0, max_concurrency=feeder_concurrency(28))(Feeder)
 
 
 class FeederClient:

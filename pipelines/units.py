@@ -4,8 +4,8 @@ A *unit* is a run of consecutive records of one file (``data.pack_buffer_size`` 
 packed on its own, so its rows depend only on its records and the config, and a stream position is
 "file, unit, rows done". The stream's first unit (row 0 of the first file of an epoch's read order)
 is smaller: it ends once its records reach :data:`FIRST_UNIT_BYTES`, so the first packed row comes
-after ~4,700 Alpaca-sized records (4 MB) instead of a whole pack buffer. Like every boundary it depends only
-on the data and the config, so a resumed run cuts the same units.
+after ~4,700 Alpaca-sized records (4 MB) instead of a whole pack buffer. Like every boundary it
+depends only on the data and the config, so a resumed run cuts the same units.
 The unit travels *in the data*, as constant columns, never as a block boundary the runtime must keep:
 
 * read blocks (``pipelines.datasource``) hold one row per unit (lists of sample ids and records)
