@@ -4,6 +4,8 @@
     one block per unit, one row per unit:        each unit -> input_ids, labels, position_ids,
     sample_ids, records (lists)                  sample_ids (+ unit_* columns), one row per packed row
 
+A set that is all token ids (pre-tokenized MDS) skips the actors: its stage runs inside the read tasks.
+
 A *unit* is ``pack_buffer_size`` consecutive records of one file (see :mod:`pipelines.units`); it is
 packed on its own, so the rows are a function of the data and the config, and a resume point is
 "file, unit, rows done". A unit is one row until it is packed, so Ray Data can hand each unit on as
@@ -17,8 +19,10 @@ one tiny counters actor. Memory is bounded by Ray Data's streaming backpressure 
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -119,16 +123,59 @@ class TokenizeAndPack:
         return self.packer(self.tokenizer(batch))
 
 
+# The read worker's TokenizeAndPack for the pre-tokenized path, keyed by build: one per worker process
+# (Ray reuses read workers), replaced when a newer dataset's task arrives.
+_FUSED: dict[str, TokenizeAndPack] = {}
+
+
+def _check_and_pack(batch: pa.Table, key: str, kwargs: dict[str, Any]) -> pa.Table:
+    """The pre-tokenized stage as a plain function, so Ray Data fuses it into the read tasks."""
+    stage = _FUSED.get(key)
+    if stage is None:
+        _FUSED.clear()
+        stage = _FUSED[key] = TokenizeAndPack(**kwargs)
+    return stage(batch)
+
+
+def all_pretokenized(table: SourceTable, files: list[int]) -> bool:
+    """Whether every file in ``files`` is an MDS shard with a token column (``input_ids`` or ``tokens``).
+
+    Such records only need their ids checked and packed (no tokenizer runs), so the stage runs inside
+    the read tasks: no actor to start, and the records never leave the task that read them.
+    """
+    from pipelines.mds_index import TOKEN_COLUMNS
+
+    def has_tokens(i: int) -> bool:
+        f = table.files[i]
+        if f.format != "mds" or not f.meta:
+            return False
+        columns = json.loads(f.meta)["shard"].get("column_names") or []
+        return bool({"input_ids", "tokens"} & set(columns) & set(TOKEN_COLUMNS))
+
+    return bool(files) and all(has_tokens(i) for i in files)
+
+
 def tokenizer_stage(ds: ray.data.Dataset, cfg: Config, table: SourceTable, sink: StatsSink,
-                    pack: PackOptions | None = None) -> ray.data.Dataset:
+                    pack: PackOptions | None = None, files: list[int] | None = None) -> ray.data.Dataset:
     """``ds`` (unit blocks) through the tokenizer actor pool sized and placed by ``data.tokenize``:
-    tokenized records, or with ``pack`` packed rows (:class:`TokenizeAndPack`)."""
+    tokenized records, or with ``pack`` packed rows (:class:`TokenizeAndPack`).
+
+    When every file read (``files``) is pre-tokenized MDS, packing runs in the read tasks instead
+    (:func:`all_pretokenized`); ``data.tokenize`` then places nothing."""
     tok = cfg.data.tokenize
     pool = tokenizer_pool_size(tok)
     threads = tokenizer_threads(tok, pool[1])
     kwargs: dict[str, Any] = {"data": cfg.data, "model": cfg.model, "table": table, "sink": sink, "threads": threads}
     if pack is not None:
         kwargs["pack"] = pack
+    if pack is not None and files and all_pretokenized(table, files):
+        return ds.map_batches(
+            _check_and_pack,
+            fn_kwargs={"key": uuid.uuid4().hex, "kwargs": {**kwargs, "threads": 1}},
+            batch_size=None,
+            batch_format="pyarrow",
+            num_cpus=cfg.data.read_num_cpus,  # the read tasks' request, so the two fuse
+        )
     return ds.map_batches(
         Tokenizer if pack is None else TokenizeAndPack,
         fn_constructor_kwargs=kwargs,
@@ -167,7 +214,7 @@ def build_dataset(
     source = ShardDatasource(table, order[first:], opts, sink, cursor, skip)
     n_tasks = max(1, min(len(order) - first, cfg.data.read_tasks))
     ds = ray.data.read_datasource(source, num_cpus=cfg.data.read_num_cpus, override_num_blocks=n_tasks)
-    ds = tokenizer_stage(ds, cfg, table, sink, pack=_pack_options(cfg, epoch))
+    ds = tokenizer_stage(ds, cfg, table, sink, pack=_pack_options(cfg, epoch), files=order[first:])
     ds.context.target_max_block_size = READ_BLOCK_BYTES  # units leave read tasks as they are read
     ds.context.execution_options.preserve_order = cfg.data.deterministic
     ds.pipelines_stats = sink  # type: ignore[attr-defined]  # read by data_report()

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from conftest import ALPACA, C4, GPT2, SMOLLM2, load_ray_job, make_config, needs_shared
 
-from pipelines.dataset import build_dataset, data_report, iter_packed_local
+from pipelines.dataset import all_pretokenized, build_dataset, data_report, iter_packed_local
 from pipelines.datasource import ReadOptions, read_all_records
 from pipelines.mds import MDSDatasink, MDSError, tokenizer_sha256
 from pipelines.sources import resolve_sources, split_sample_id
@@ -202,6 +202,29 @@ def test_llm_foundry_concat_tokens_skip_the_tokenizer(tmp_path, gpt2, layout):
     assert len(got) == len(chunks) > 20
     assert all(got[i]["input_ids"] == c.tolist() == got[i]["labels"] for i, c in enumerate(chunks))
     assert sink.local.counters["samples_pretokenized"] == len(chunks) == sink.local.counters["samples_tokenized"]
+
+
+def test_pretokenized_sets_pack_inside_the_read_tasks(ray_local, tmp_path, gpt2):
+    """A set that is all token ids needs no tokenizer: the check-and-pack stage fuses into the read
+    tasks (no actor pool) and gives exactly the rows of the in-process path; a mixed set does not."""
+    texts = [json.loads(line)["text"] for line in C4.read_text().splitlines()[:80]]
+    chunks = _concat_chunks(gpt2, texts, 200)  # 200-token samples: concat packing makes 512-token rows
+    root = mosaic_write(tmp_path / "concat", [{"tokens": c} for c in chunks], "zstd", size_limit=1 << 13,
+                        columns={"tokens": "ndarray:int32"})
+    cfg = make_config([{"path": str(root), "type": "completion"}], sequence_len=512, packing="concat",
+                      read_tasks=2, deterministic=True)
+    table = resolve_sources(cfg)
+    assert len(table.files) > 4 and all_pretokenized(table, list(range(len(table.files))))
+    want = pa.concat_tables(iter_packed_local(cfg)).select(["input_ids", "labels", "position_ids", "sample_ids"])
+    ds = build_dataset(cfg)
+    got = pa.concat_tables(ds.iter_batches(batch_size=None, batch_format="pyarrow")).select(want.column_names)
+    assert got.num_rows > 20 and got.to_pylist() == want.to_pylist()
+    assert sum(len(r) for r in got.column("input_ids").to_pylist()) == sum(len(c) for c in chunks)
+    assert "ReadShards->MapBatches(_check_and_pack)" in ds.stats()  # fused: one operator, tasks only
+
+    mixed = make_config([{"path": str(root), "type": "completion"}, {"path": str(ALPACA), "type": "alpaca"}])
+    mixed_table = resolve_sources(mixed)
+    assert not all_pretokenized(mixed_table, list(range(len(mixed_table.files))))
 
 
 def test_token_ids_outside_the_vocabulary_are_refused(tmp_path):
