@@ -20,6 +20,7 @@ one tiny counters actor. Memory is bounded by Ray Data's streaming backpressure 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import uuid
@@ -38,7 +39,9 @@ from pipelines.tokenize import Tokenizer
 from pipelines.units import READ_BLOCK_BYTES, Cursor, ResumePoint
 from pipelines.units import ordered_files as _ordered_files
 
-__all__ = ["ResumePoint", "build_dataset", "data_report", "iter_packed_local", "ordered_files"]
+log = logging.getLogger(__name__)
+
+__all__ = ["ResumePoint", "all_pretokenized", "build_dataset", "data_report", "iter_packed_local", "ordered_files"]
 
 # CPUs left for read and packing tasks when sizing the tokenizer pool automatically; a pool that
 # takes every CPU starves the reads and the pipeline hangs.
@@ -169,6 +172,8 @@ def tokenizer_stage(ds: ray.data.Dataset, cfg: Config, table: SourceTable, sink:
     if pack is not None:
         kwargs["pack"] = pack
     if pack is not None and files and all_pretokenized(table, files):
+        log.info("every source is pre-tokenized MDS: ids are checked and packed in the read tasks "
+                 "(no tokenizer actors; data.tokenize is not used)")
         return ds.map_batches(
             _check_and_pack,
             fn_kwargs={"key": uuid.uuid4().hex, "kwargs": {**kwargs, "threads": 1}},
