@@ -146,14 +146,12 @@ def all_pretokenized(table: SourceTable, files: list[int]) -> bool:
     Such records only need their ids checked and packed (no tokenizer runs), so the stage runs inside
     the read tasks: no actor to start, and the records never leave the task that read them.
     """
-    from pipelines.mds_index import TOKEN_COLUMNS
 
     def has_tokens(i: int) -> bool:
         f = table.files[i]
         if f.format != "mds" or not f.meta:
             return False
-        columns = json.loads(f.meta)["shard"].get("column_names") or []
-        return bool({"input_ids", "tokens"} & set(columns) & set(TOKEN_COLUMNS))
+        return bool({"input_ids", "tokens"} & set(json.loads(f.meta)["shard"].get("column_names") or []))
 
     return bool(files) and all(has_tokens(i) for i in files)
 
