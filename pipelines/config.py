@@ -234,7 +234,7 @@ class DataConfig(_Strict):
     eval_fraction: float = Field(0.0, ge=0, lt=1, description="Held-out share of samples for split='eval'.")
     datasets: list[DatasetConfig] = Field(..., min_length=1, description="Training sources.")
     eval_datasets: list[DatasetConfig] = Field(default_factory=list, description="Evaluation sources.")
-    tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig, description="The tokenizer actor pool.")
+    tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig, description="The tokenizer actor pool (not started when every source is pre-tokenized MDS).")
     read_num_cpus: float = Field(0.25, gt=0, description="CPUs reserved per read task (small so actors never starve reads).")
     read_tasks: int = Field(8, gt=0, description="Read tasks (each owns a contiguous group of whole files).")
     mix_by: Literal["tokens", "samples", "none"] = Field(
