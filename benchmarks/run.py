@@ -1,6 +1,6 @@
 """All benchmarks (issue 5), side by side on the same cores, data and tokenizer; writes BENCHMARKS.md + plots.
 
-    .venv/bin/python benchmarks/run.py                 # full: ~15 min on 2 cores; BENCHMARKS.md, benchmarks/results/
+    .venv/bin/python benchmarks/run.py                 # full: ~45 min on 2 cores; BENCHMARKS.md, benchmarks/results/
     .venv/bin/python benchmarks/run.py --quick         # tiny data, 1 repeat, < 3 min; writes to a temp dir
     .venv/bin/python benchmarks/run.py --quick --out DIR
 
@@ -12,7 +12,8 @@ prerequisite is missing prints "not available" instead of failing the run.
 
 External scripts (B5-B8) are run as ``python benchmarks/X.py [--quick]``; their stdout is copied into
 BENCHMARKS.md (markdown table lines as they are, everything else as a text block). A line
-``BENCH_RESULT {json}`` in their output is kept in results.json as well.
+``BENCH_RESULT {json}`` in their output is kept in results.json as well. Sections of BENCHMARKS.md
+below :data:`KEPT_MARKER` (other scripts' measurements) are kept as they are.
 """
 
 from __future__ import annotations
@@ -716,7 +717,19 @@ def write_report(ctx: dict[str, Any], out_md: Path, plots: list[str], plot_rel: 
     lines += ["## Plots", ""]
     lines += [f"![{p}]({plot_rel}/{p})" for p in plots] or [f"{NA} (matplotlib missing)"]
     lines.append("")
-    out_md.write_text("\n".join(lines), encoding="utf-8")
+    out_md.write_text("\n".join(lines) + "\n" + KEPT_MARKER + kept_sections(out_md), encoding="utf-8")
+
+
+# Sections measured by other scripts (LoRA, the default job, the GPU check) sit below this line in
+# BENCHMARKS.md; a full run rewrites everything above it and keeps them as they are.
+KEPT_MARKER = "<!-- Sections below this line are measured by their own commands; benchmarks/run.py keeps them. -->"
+
+
+def kept_sections(md: Path) -> str:
+    """What follows the marker in the existing ``md`` (a newline when there is no such file or marker)."""
+    text = md.read_text(encoding="utf-8") if md.is_file() else ""
+    at = text.find(KEPT_MARKER)
+    return "\n" if at < 0 else text[at + len(KEPT_MARKER):]
 
 
 # --------------------------------------------------------------------------- main
