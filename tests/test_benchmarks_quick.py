@@ -24,7 +24,7 @@ KEPT_SECTION = "## Measured elsewhere\n\n| x | y |\n|---|---|\n| 1 | 2 |\n"
 
 
 def _kept_marker() -> str:
-    """``benchmarks/run.py``'s marker line (read from the script: importing it needs the bench data)."""
+    """``benchmarks/run.py``'s marker line, read from its text (this module does not import the benchmarks)."""
     text = (ROOT / "benchmarks" / "run.py").read_text(encoding="utf-8")
     return re.search(r'^KEPT_MARKER = "(.*)"$', text, re.M).group(1)
 
