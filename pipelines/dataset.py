@@ -19,7 +19,6 @@ one tiny counters actor. Memory is bounded by Ray Data's streaming backpressure 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -141,19 +140,18 @@ def _check_and_pack(batch: pa.Table, key: str, kwargs: dict[str, Any]) -> pa.Tab
 
 
 def all_pretokenized(table: SourceTable, files: list[int]) -> bool:
-    """Whether every file in ``files`` is an MDS shard with a token column (``input_ids`` or ``tokens``).
+    """Whether every file in ``files`` is an MDS shard with a token id column (``input_ids`` or ``tokens``).
 
     Such records only need their ids checked and packed (no tokenizer runs), so the stage runs inside
     the read tasks: no actor to start, and the records never leave the task that read them.
     """
+    from pipelines.mds_index import shard_holds_token_ids
 
-    def has_tokens(i: int) -> bool:
+    def has_ids(i: int) -> bool:
         f = table.files[i]
-        if f.format != "mds" or not f.meta:
-            return False
-        return bool({"input_ids", "tokens"} & set(json.loads(f.meta)["shard"].get("column_names") or []))
+        return f.format == "mds" and bool(f.meta) and shard_holds_token_ids(f.meta)
 
-    return bool(files) and all(has_tokens(i) for i in files)
+    return bool(files) and all(has_ids(i) for i in files)
 
 
 def tokenizer_stage(ds: ray.data.Dataset, cfg: Config, table: SourceTable, sink: StatsSink,
@@ -163,22 +161,22 @@ def tokenizer_stage(ds: ray.data.Dataset, cfg: Config, table: SourceTable, sink:
 
     When every file read (``files``) is pre-tokenized MDS, packing runs in the read tasks instead
     (:func:`all_pretokenized`); ``data.tokenize`` then places nothing."""
-    tok = cfg.data.tokenize
-    pool = tokenizer_pool_size(tok)
-    threads = tokenizer_threads(tok, pool[1])
-    kwargs: dict[str, Any] = {"data": cfg.data, "model": cfg.model, "table": table, "sink": sink, "threads": threads}
-    if pack is not None:
-        kwargs["pack"] = pack
+    kwargs: dict[str, Any] = {"data": cfg.data, "model": cfg.model, "table": table, "sink": sink}
     if pack is not None and files and all_pretokenized(table, files):
         log.info("every source is pre-tokenized MDS: ids are checked and packed in the read tasks "
                  "(no tokenizer actors; data.tokenize is not used)")
         return ds.map_batches(
             _check_and_pack,
-            fn_kwargs={"key": uuid.uuid4().hex, "kwargs": {**kwargs, "threads": 1}},
+            fn_kwargs={"key": uuid.uuid4().hex, "kwargs": {**kwargs, "threads": 1, "pack": pack}},
             batch_size=None,
             batch_format="pyarrow",
             num_cpus=cfg.data.read_num_cpus,  # the read tasks' request, so the two fuse
         )
+    tok = cfg.data.tokenize
+    pool = tokenizer_pool_size(tok)
+    kwargs["threads"] = threads = tokenizer_threads(tok, pool[1])
+    if pack is not None:
+        kwargs["pack"] = pack
     return ds.map_batches(
         Tokenizer if pack is None else TokenizeAndPack,
         fn_constructor_kwargs=kwargs,

@@ -31,6 +31,15 @@ TOKENIZED_META = "tokenized.json"  # written by convert.py --tokenize, next to i
 HASH_PREFERENCE = ("xxh3_64", "xxh64", "xxh128", "xxh3_128", "xxh32", "md5", "sha1", "sha256", "sha512")
 # Columns that hold token ids; a ``bytes`` value there is int64 ids (llm-foundry's legacy default).
 TOKEN_COLUMNS = ("input_ids", "labels", "tokens")
+# A shard with one of these is pre-tokenized: its records skip formatting and tokenizing
+# (``tokens`` is llm-foundry's concat-tokens column, read as ``input_ids``).
+ID_COLUMNS = ("input_ids", "tokens")
+
+
+def shard_holds_token_ids(meta: str) -> bool:
+    """Whether a shard source file's ``meta`` (its index.json entry, see :func:`expand_mds`) lists an id column."""
+    columns = json.loads(meta)["shard"].get("column_names") or []
+    return any(c in columns for c in ID_COLUMNS)
 
 class MDSError(ValueError):
     """An MDS dataset that cannot be used; the message names the dataset and the shard."""
