@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -125,17 +126,20 @@ class TokenizeAndPack:
         return self.packer(self.tokenizer(batch))
 
 
-# The read worker's TokenizeAndPack for the pre-tokenized path, keyed by build: one per worker process
-# (Ray reuses read workers), replaced when a newer dataset's task arrives.
-_FUSED: dict[str, TokenizeAndPack] = {}
+# The read worker's TokenizeAndPack for the pre-tokenized path, one per dataset built (Ray reuses read
+# workers, and a mixed run's per-source datasets share them); the oldest go past _FUSED_KEEP.
+_FUSED: OrderedDict[str, TokenizeAndPack] = OrderedDict()
+_FUSED_KEEP = 8
 
 
 def _check_and_pack(batch: pa.Table, key: str, kwargs: dict[str, Any]) -> pa.Table:
     """The pre-tokenized stage as a plain function, so Ray Data fuses it into the read tasks."""
     stage = _FUSED.get(key)
     if stage is None:
-        _FUSED.clear()
         stage = _FUSED[key] = TokenizeAndPack(**kwargs)
+        while len(_FUSED) > _FUSED_KEEP:
+            _FUSED.popitem(last=False)
+    _FUSED.move_to_end(key)
     return stage(batch)
 
 
