@@ -4,7 +4,9 @@
     one block per unit, one row per unit:        each unit -> input_ids, labels, position_ids,
     sample_ids, records (lists)                  sample_ids (+ unit_* columns), one row per packed row
 
-A set that is all token ids (pre-tokenized MDS) skips the actors: its stage runs inside the read tasks.
+A set that is all token ids (pre-tokenized MDS) skips the actors: its read blocks hold the ids as Arrow
+list columns, and their check (:class:`pipelines.pretokenized.IdChecker`) and packing run inside the
+read tasks.
 
 A *unit* is ``pack_buffer_size`` consecutive records of one file (see :mod:`pipelines.units`); it is
 packed on its own, so the rows are a function of the data and the config, and a resume point is
@@ -33,6 +35,7 @@ import ray
 from pipelines.config import Config, DataConfig, ModelConfig, TokenizeConfig
 from pipelines.datasource import ReadOptions, ShardDatasource, read_files
 from pipelines.packing import Packer, PackOptions
+from pipelines.pretokenized import IdChecker
 from pipelines.sources import SourceTable, datasets_for_split, resolve_sources
 from pipelines.stats import StatsSink, new_stats_actor
 from pipelines.tokenize import Tokenizer
@@ -91,7 +94,8 @@ def tokenizer_env(threads: int) -> dict[str, str]:
             "USE_TORCH": "0"}
 
 
-def _read_options(cfg: Config, table: SourceTable, split: str, first_unit_source: int = -1) -> ReadOptions:
+def _read_options(cfg: Config, table: SourceTable, split: str, order: list[int], first: int = 0) -> ReadOptions:
+    """How an epoch's stream is read: ``order`` (indices into ``table.files``) from position ``first`` on."""
     return ReadOptions(
         storage=table.storage,
         on_bad_record=cfg.data.on_bad_record,
@@ -99,7 +103,8 @@ def _read_options(cfg: Config, table: SourceTable, split: str, first_unit_source
         eval_fraction=cfg.data.eval_fraction if not cfg.data.eval_datasets else 0.0,
         split=split,
         unit_size=unit_size(cfg),
-        first_unit_source=first_unit_source,
+        first_unit_source=order[0] if order else -1,
+        token_ids=all_pretokenized(table, order[first:]),
     )
 
 
@@ -126,9 +131,21 @@ class TokenizeAndPack:
         return self.packer(self.tokenizer(batch))
 
 
-# The read worker's TokenizeAndPack for the pre-tokenized path, one per dataset built (Ray reuses read
-# workers, and a mixed run's per-source datasets share them); the oldest go past _FUSED_KEEP.
-_FUSED: OrderedDict[str, TokenizeAndPack] = OrderedDict()
+class CheckAndPack:
+    """The pre-tokenized stage: id-column blocks of whole units -> packed rows (no tokenizer runs)."""
+
+    def __init__(self, data: DataConfig, model: ModelConfig, table: SourceTable, sink: StatsSink,
+                 pack: PackOptions) -> None:
+        self.checker = IdChecker(data, model, table, sink)
+        self.packer = Packer(pack, sink, table)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return self.packer(self.checker(batch))
+
+
+# The read worker's CheckAndPack, one per dataset built (Ray reuses read workers, and a mixed run's
+# per-source datasets share them); the oldest go past _FUSED_KEEP.
+_FUSED: OrderedDict[str, CheckAndPack] = OrderedDict()
 _FUSED_KEEP = 8
 
 
@@ -136,7 +153,7 @@ def _check_and_pack(batch: pa.Table, key: str, kwargs: dict[str, Any]) -> pa.Tab
     """The pre-tokenized stage as a plain function, so Ray Data fuses it into the read tasks."""
     stage = _FUSED.get(key)
     if stage is None:
-        stage = _FUSED[key] = TokenizeAndPack(**kwargs)
+        stage = _FUSED[key] = CheckAndPack(**kwargs)
         while len(_FUSED) > _FUSED_KEEP:
             _FUSED.popitem(last=False)
     _FUSED.move_to_end(key)
@@ -146,8 +163,9 @@ def _check_and_pack(batch: pa.Table, key: str, kwargs: dict[str, Any]) -> pa.Tab
 def all_pretokenized(table: SourceTable, files: list[int]) -> bool:
     """Whether every file in ``files`` is an MDS shard with a token id column (``input_ids`` or ``tokens``).
 
-    Such records only need their ids checked and packed (no tokenizer runs), so the stage runs inside
-    the read tasks: no actor to start, and the records never leave the task that read them.
+    Such a stream is read as id columns (``ReadOptions.token_ids``); its samples only need their ids
+    checked and packed (no tokenizer runs), so that stage runs inside the read tasks: no actor to
+    start, and the ids never leave the task that read them.
     """
     from pipelines.mds_index import shard_holds_token_ids
 
@@ -171,7 +189,7 @@ def tokenizer_stage(ds: ray.data.Dataset, cfg: Config, table: SourceTable, sink:
                  "(no tokenizer actors; data.tokenize is not used)")
         return ds.map_batches(
             _check_and_pack,
-            fn_kwargs={"key": uuid.uuid4().hex, "kwargs": {**kwargs, "threads": 1, "pack": pack}},
+            fn_kwargs={"key": uuid.uuid4().hex, "kwargs": {**kwargs, "pack": pack}},
             batch_size=None,
             batch_format="pyarrow",
             num_cpus=cfg.data.read_num_cpus,  # the read tasks' request, so the two fuse
@@ -215,7 +233,7 @@ def build_dataset(
     sink = StatsSink(new_stats_actor())
     order = ordered_files(cfg, table, epoch, datasets)
     first, cursor, skip = _start(start)
-    opts = _read_options(cfg, table, split, first_unit_source=order[0])
+    opts = _read_options(cfg, table, split, order, first)
     source = ShardDatasource(table, order[first:], opts, sink, cursor, skip)
     n_tasks = max(1, min(len(order) - first, cfg.data.read_tasks))
     ds = ray.data.read_datasource(source, num_cpus=cfg.data.read_num_cpus, override_num_blocks=n_tasks)
@@ -238,10 +256,14 @@ def iter_packed_local(cfg: Config, split: str = "train", sink: StatsSink | None 
     first, cursor, skip = _start(start)
     order = ordered_files(cfg, table, epoch)
     files = [table.files[i] for i in order[first:]]
-    tokenizer = Tokenizer(cfg.data, cfg.model, table, sink, tokenizer_threads(cfg.data.tokenize, 1))
-    packer = Packer(_pack_options(cfg, epoch), sink, table)
-    for block in read_files(files, _read_options(cfg, table, split, first_unit_source=order[0]), sink, cursor, skip):
-        yield packer(tokenizer(block))
+    opts = _read_options(cfg, table, split, order, first)
+    if opts.token_ids:
+        stage: Any = CheckAndPack(cfg.data, cfg.model, table, sink, _pack_options(cfg, epoch))
+    else:
+        stage = TokenizeAndPack(cfg.data, cfg.model, table, sink, tokenizer_threads(cfg.data.tokenize, 1),
+                                _pack_options(cfg, epoch))
+    for block in read_files(files, opts, sink, cursor, skip):
+        yield stage(block)
 
 
 def check_pretokenized(cfg: Config, table: SourceTable) -> None:

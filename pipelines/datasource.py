@@ -10,6 +10,10 @@ Ray Data re-buffers or slices blocks it can never cut a unit in two::
 
 ``pipelines.units.explode_units`` turns such blocks into one row per record (the tokenizer does).
 
+A stream whose files are all pre-tokenized MDS (``ReadOptions.token_ids``) has no JSON records: its
+blocks hold the ids themselves, ``input_ids``/``labels: list<list<int32>>`` in place of ``record``
+(:data:`TOKEN_SCHEMA`), from the shard's arrays to the packer without a Python object per token.
+
 Records stay JSON text until the tokenizer actors parse them, so a block's schema never depends on
 the data (nested chat turns, optional fields) and parsing runs in the parallel actor pool. Read tasks
 only decode bytes and split records; their closures hold file paths and options, nothing more.
@@ -34,6 +38,8 @@ import pyarrow.parquet as pq
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
+from pipelines.arrays import list_array
+from pipelines.records import TokenRecord
 from pipelines.seeds import splitmix64
 from pipelines.sources import SourceFile, SourceTable, make_sample_id
 from pipelines.stats import Counts, StatsSink
@@ -44,6 +50,8 @@ BLOCK_RECORDS = 1024
 READ_CHUNK_BYTES = 8 << 20
 MAX_UNIT_BYTES = 32 << 20
 SCHEMA = pa.schema([("sample_id", pa.list_(pa.int64())), ("record", pa.list_(pa.string())), *UNIT_FIELDS])
+TOKEN_SCHEMA = pa.schema([("sample_id", pa.list_(pa.int64())), ("input_ids", pa.list_(pa.list_(pa.int32()))),
+                          ("labels", pa.list_(pa.list_(pa.int32()))), *UNIT_FIELDS])
 
 
 class BadRecordError(ValueError):
@@ -61,6 +69,12 @@ class ReadOptions:
     split: str = "train"
     unit_size: int = 10000  # records per packing unit (data.pack_buffer_size)
     first_unit_source: int = -1  # the stream's first file: its first unit is small (see pipelines.units)
+    token_ids: bool = False  # every file is pre-tokenized MDS: blocks of TOKEN_SCHEMA, records are TokenRecords
+
+    @property
+    def schema(self) -> pa.Schema:
+        """The read blocks' schema."""
+        return TOKEN_SCHEMA if self.token_ids else SCHEMA
 
 
 BadHandler = Callable[[str, str], None]  # (location, message)
@@ -76,8 +90,8 @@ COMPRESSED_SUFFIXES = (".gz", ".bz2", ".zst", ".zstd", ".lz4", ".br")
 
 # A reader ``(fs, file, bad, cursor)`` yields (row, record as JSON text, start byte, end byte) per
 # record; bytes are -1 where the format has no seekable offsets. It calls ``bad(where, message)`` for
-# unusable bytes.
-Record = tuple[int, str, int, int]
+# unusable bytes. The MDS reader for id-column blocks yields a TokenRecord in place of the text.
+Record = tuple[int, str | TokenRecord, int, int]
 Reader = Callable[[pafs.FileSystem, SourceFile, BadHandler, Cursor], Iterator[Record]]
 
 
@@ -208,9 +222,11 @@ def reader_for(file: SourceFile, opts: ReadOptions) -> Reader:
     if file.format == "text":
         return functools.partial(read_text, text_field=opts.text_fields[file.dataset_index])
     if file.format == "mds":
-        from pipelines.mds_reader import read_mds
+        from pipelines.mds_reader import read_mds, read_mds_ids
 
-        return read_mds
+        return read_mds_ids if opts.token_ids else read_mds
+    if opts.token_ids:
+        raise BadRecordError(f"{file.url}: only pre-tokenized MDS shards can be read as id columns, not {file.format!r}")
     if file.format not in READERS:
         raise BadRecordError(f"{file.url}: no reader for format {file.format!r}")
     return READERS[file.format]
@@ -228,7 +244,7 @@ class _Unit:
 
     file: SourceFile
     ids: list[int]
-    records: list[str]
+    records: list[str] | list[TokenRecord]
     start_byte: int
     skip: int = 0
     nbytes: int = 0
@@ -245,8 +261,17 @@ def _unit_table(u: _Unit, end_row: int, end_byte: int, opts: ReadOptions) -> pa.
         idx = np.nonzero(keep)[0]
         arr, records = arr[idx], [records[i] for i in idx]
     info = UnitInfo(u.ids[0], u.start_byte, end_row, end_byte, u.skip)
-    columns = [pa.array([arr], pa.list_(pa.int64())), pa.array([records], pa.list_(pa.string())), *unit_columns(info, len(arr))]
-    return pa.Table.from_arrays(columns, schema=SCHEMA)
+    if opts.token_ids:
+        payload = [_one_row(list_array([r.input_ids for r in records])), _one_row(list_array([r.labels for r in records]))]
+    else:
+        payload = [pa.array([records], pa.list_(pa.string()))]
+    columns = [pa.array([arr], pa.list_(pa.int64())), *payload, *unit_columns(info, len(arr))]
+    return pa.Table.from_arrays(columns, schema=opts.schema)
+
+
+def _one_row(values: pa.Array) -> pa.Array:
+    """A list array of one row holding all of ``values``."""
+    return pa.ListArray.from_arrays(pa.array([0, len(values)], pa.int32()), values)
 
 
 def read_files(files: list[SourceFile], opts: ReadOptions, sink: StatsSink, start: Cursor | None = None,
@@ -280,7 +305,7 @@ def read_files(files: list[SourceFile], opts: ReadOptions, sink: StatsSink, star
                 pending_skip = 0
             unit.ids.append(make_sample_id(file.source_index, row))
             unit.records.append(record)
-            unit.nbytes += len(record)
+            unit.nbytes += len(record) if isinstance(record, str) else record.nbytes
             end_row, end_byte = row + 1, rec_end
             if len(unit.ids) >= opts.unit_size or unit.nbytes >= max_bytes:
                 counts.add("records_read", len(unit.ids))
@@ -344,7 +369,7 @@ class ShardDatasource(Datasource):
             def read_fn(group=group, opts=opts, sink=sink, start=start, skip=skip) -> Iterator[pa.Table]:
                 return read_files(group, opts, sink, start, skip)
 
-            tasks.append(ReadTask(read_fn, meta, schema=SCHEMA, per_task_row_limit=per_task_row_limit))
+            tasks.append(ReadTask(read_fn, meta, schema=opts.schema, per_task_row_limit=per_task_row_limit))
         return tasks
 
 

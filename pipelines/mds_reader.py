@@ -8,7 +8,9 @@ the index is unchanged. Column values become JSON: numpy arrays become lists, nu
 
 **Pre-tokenized shards** hold ``input_ids`` (optionally ``labels``), or llm-foundry's concat-tokens
 ``tokens`` column (``ndarray``, or legacy ``bytes`` of int64); their records skip formatting and
-tokenization (see :class:`pipelines.tokenize.Tokenizer`). A set written by ``ray_jobs/convert.py
+tokenization. When every file of a stream is one, :func:`read_mds_ids` yields the id arrays themselves
+(:class:`pipelines.records.TokenRecord`) for id-column blocks; otherwise :func:`read_mds` writes them
+into the JSON record as base64 (see :class:`pipelines.tokenize.Tokenizer`). A set written by ``ray_jobs/convert.py
 --tokenize`` carries ``tokenized.json`` next to ``index.json``; :func:`check_tokenized_sources`
 refuses it under a different tokenizer.
 """
@@ -34,7 +36,7 @@ from pipelines.mds_index import (
     read_tokenized_meta,
     shard_name,
 )
-from pipelines.records import pack_array
+from pipelines.records import TokenRecord, as_token_ids, pack_array
 from pipelines.sources import SourceFile, SourceTable
 from pipelines.storage import StorageOptions, with_retries
 from pipelines.tokenizer import tokenizer_fingerprint
@@ -116,8 +118,9 @@ class MemoryShard:
         sizes = shard.get("column_sizes") or [mosaic.encodings.get_mds_encoded_size(e) for e in encs]
         return cls(raw, offsets, names, encs, sizes)
 
-    def get_item(self, idx: int) -> dict[str, Any]:
-        """Sample ``idx`` as mosaic decodes it, e.g. ``{"text": "...", "tokens": array([...])}``."""
+    def get_item(self, idx: int, only: tuple[str, ...] | None = None) -> dict[str, Any]:
+        """Sample ``idx`` as mosaic decodes it, e.g. ``{"text": "...", "tokens": array([...])}``;
+        with ``only``, just those columns (the others are skipped, not decoded)."""
         data = self.raw[self.offsets[idx] : self.offsets[idx + 1]]
         pos, sizes = 0, []
         for _, _, size in self.columns:
@@ -129,7 +132,8 @@ class MemoryShard:
         for (name, enc, _), size in zip(self.columns, sizes, strict=True):
             if pos + size > len(data):
                 raise ValueError(f"column {name!r} runs past the end of the sample ({pos + size} > {len(data)} bytes)")
-            sample[name] = mosaic.encodings.mds_decode(enc, data[pos : pos + size])
+            if only is None or name in only:
+                sample[name] = mosaic.encodings.mds_decode(enc, data[pos : pos + size])
             pos += size
         return sample
 
@@ -194,6 +198,29 @@ def read_mds(fs: pafs.FileSystem, file: SourceFile, bad: Callable[[str, str], No
             bad(f"{label} row {row}", f"cannot decode the sample: {err}")
             continue
         yield row, text, -1, -1
+
+
+def read_mds_ids(fs: pafs.FileSystem, file: SourceFile, bad: Callable[[str, str], None],
+                 cursor: Cursor | None = None) -> Iterator[tuple[int, TokenRecord, int, int]]:
+    """The reader for id-column blocks (every file pre-tokenized): one shard -> ``(row, TokenRecord, -1, -1)``.
+
+    Only the id columns are decoded (``input_ids`` or ``tokens``, and ``labels``); labels are the
+    ids where the shard has none. A sample whose ids are not a flat integer array is reported as
+    undecodable, as :func:`read_mds` reports one it cannot decode.
+    """
+    meta = json.loads(file.meta)
+    shard = meta["shard"]
+    label = f"MDS dataset {meta['root']}: shard {shard_name(shard)}"
+    reader = MemoryShard.from_bytes(shard, fetch_shard(fs, file), label)
+    for row in range(cursor.row if cursor else 0, shard["samples"]):
+        try:
+            rec = sample_to_record(reader.get_item(row, only=TOKEN_COLUMNS))
+            ids = as_token_ids(rec["input_ids"], "input_ids")
+            labels = as_token_ids(rec["labels"], "labels") if rec.get("labels") is not None else ids
+        except Exception as err:  # a value mosaic cannot decode, or ids that are not ids
+            bad(f"{label} row {row}", f"cannot decode the sample: {err}")
+            continue
+        yield row, TokenRecord(ids, labels), -1, -1
 
 
 def _mds_roots(table: SourceTable) -> dict[str, tuple[int, list[str]]]:

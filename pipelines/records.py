@@ -8,16 +8,20 @@ writes them as base64 of their raw bytes, which the tokenizer decodes without a 
     array([464, 2068], dtype=int32)  <->  {"dtype": "int32", "b64": "0AEAABQIAAA="}
 
 A JSON list of integers is accepted too (JSONL sources with ``input_ids``).
+
+When every file of a stream is pre-tokenized MDS, records are not JSON at all: the MDS reader yields
+a :class:`TokenRecord` per sample and read blocks hold the ids as Arrow list columns
+(``pipelines.datasource.TOKEN_SCHEMA``).
 """
 
 from __future__ import annotations
 
 import base64
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["pack_array", "unpack_array"]
+__all__ = ["TokenRecord", "as_token_ids", "pack_array", "unpack_array"]
 
 DTYPES = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")
 
@@ -37,3 +41,34 @@ def unpack_array(value: Any) -> np.ndarray:
             raise ValueError(f"not a packed integer array: {sorted(value)}")
         return np.frombuffer(base64.b64decode(value["b64"]), np.dtype(dtype).newbyteorder("<")).astype(np.int64)
     return np.asarray(value, dtype=np.int64)
+
+
+class TokenRecord(NamedTuple):
+    """A pre-tokenized sample as the MDS reader yields it for id-column blocks (labels: the ids when absent)."""
+
+    input_ids: np.ndarray  # int32, 1-D
+    labels: np.ndarray  # int32, 1-D (not yet checked to align with the ids)
+
+    @property
+    def nbytes(self) -> int:
+        """What the sample adds to its unit's size (see ``pipelines.datasource.read_files``)."""
+        return self.input_ids.nbytes + self.labels.nbytes
+
+
+INT32_MIN, INT32_MAX = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+
+
+def as_token_ids(value: Any, column: str) -> np.ndarray:
+    """A token column's value as a 1-D int32 array; ValueError naming the column if it is not one.
+
+    Example: ``array([464, 2068], dtype=int64)`` -> ``array([464, 2068], dtype=int32)``; a value
+    beyond int32 is an error here (the vocabulary check could not name it after the cast).
+    """
+    arr = np.asarray(value)
+    if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.size):
+        raise ValueError(f"column {column!r} should be a flat list of integer token ids, got shape {arr.shape} of {arr.dtype}")
+    wide = arr.dtype.itemsize > 4 or arr.dtype == np.uint32
+    if wide and arr.size and (arr.min() < INT32_MIN or arr.max() > INT32_MAX):
+        bad = arr[(arr < INT32_MIN) | (arr > INT32_MAX)][0]
+        raise ValueError(f"column {column!r}: token id {bad} is not a valid token id (beyond int32)")
+    return arr.astype(np.int32, copy=False)

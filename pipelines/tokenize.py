@@ -19,9 +19,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from pipelines.arrays import list_array
 from pipelines.config import DataConfig, ModelConfig
 from pipelines.datasource import BadRecordError
 from pipelines.formats import Formatted, RecordError, make_formatter
+from pipelines.pretokenized import id_problems
 from pipelines.records import unpack_array
 from pipelines.sources import SourceTable, split_sample_id
 from pipelines.stats import Counts, StatsSink
@@ -31,7 +33,7 @@ from pipelines.units import carry_unit_columns, explode_units
 # Dataset types whose formatter needs the transformers tokenizer (its chat template).
 HF_FORMATS = ("chat_template",)
 
-__all__ = ["IGNORE_INDEX", "TOKENIZED_SCHEMA", "Tokenizer", "list_array", "span_labels", "tokenized_table"]
+__all__ = ["IGNORE_INDEX", "TOKENIZED_SCHEMA", "Tokenizer", "span_labels", "tokenized_table"]
 TOKENIZED_SCHEMA = pa.schema(
     [("sample_id", pa.int64()), ("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))]
 )
@@ -121,28 +123,41 @@ class Tokenizer:
             return self._bad(sample_id, str(err), counts)
 
     def _pretokenized(self, sample_id: int, rec: dict[str, Any], counts: Counts) -> Pretokenized | None:
-        """Check a record that already holds ``input_ids`` (and maybe ``labels``); no template, no EOS.
+        """A record that already holds ``input_ids`` (and maybe ``labels``); no template, no EOS.
 
-        Which tokenizer made a converted set is checked once at build time (pipelines.mds_reader); here every
-        id must at least be in this tokenizer's vocabulary, and labels must align with the ids.
+        Which tokenizer made a converted set is checked once at build time (pipelines.mds_reader); the
+        ids themselves are checked with the rest of the batch (:func:`pipelines.pretokenized.id_problems`).
         """
         try:
             ids = unpack_array(rec["input_ids"])
             labels = unpack_array(rec["labels"]) if rec.get("labels") is not None else ids
         except (TypeError, ValueError, OverflowError):
             return self._bad(sample_id, "input_ids/labels should be lists of integers", counts)
-        if ids.ndim != 1 or len(ids) == 0:
+        if ids.ndim != 1:
             return self._bad(sample_id, "input_ids is empty or not a flat list", counts)
-        if labels.shape != ids.shape:
-            return self._bad(sample_id, f"labels has {labels.size} entries but input_ids {len(ids)} "
-                             f"(labels must align with input_ids, {IGNORE_INDEX} where no loss is taken)", counts)
-        bad_ids = ids[(ids < 0) | (ids >= self.vocab_size)]
-        bad_labels = labels[((labels < 0) & (labels != IGNORE_INDEX)) | (labels >= self.vocab_size)]
-        if len(bad_ids) or len(bad_labels):
-            value = int((bad_ids if len(bad_ids) else bad_labels)[0])
-            return self._bad(sample_id, f"token id {value} is outside the vocabulary of tokenizer {self.tokenizer_name!r} "
-                             f"(0..{self.vocab_size - 1}); was it tokenized with another tokenizer?", counts)
-        return Pretokenized(ids.astype(np.int32), labels.astype(np.int32))
+        if labels.ndim != 1:
+            return self._bad(sample_id, "labels should be a flat list of integers", counts)
+        return Pretokenized(ids, labels)
+
+    def _check_pretokenized(self, sids: list[int], items: dict[int, Pretokenized], counts: Counts) -> dict[int, Pretokenized]:
+        """The batch's pre-tokenized samples that pass :func:`id_problems`, as int32 (the rest reported)."""
+        if not items:
+            return {}
+        rows = list(items)
+
+        def flat(parts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+            offsets = np.concatenate([[0], np.cumsum([len(p) for p in parts])])
+            return offsets, np.concatenate(parts)
+
+        problems = id_problems(*flat([items[i].ids for i in rows]), *flat([items[i].labels for i in rows]),
+                               self.vocab_size, self.tokenizer_name)
+        good = {}
+        for k, i in enumerate(rows):
+            if k in problems:
+                self._bad(sids[i], problems[k].message, counts, problems[k].counter)
+            else:
+                good[i] = Pretokenized(items[i].ids.astype(np.int32), items[i].labels.astype(np.int32))
+        return good
 
     def _bad(self, sample_id: int, msg: str, counts: Counts, key: str = "skipped_bad_record") -> None:
         where = self.table.where(sample_id)
@@ -181,12 +196,8 @@ class Tokenizer:
         empty = np.zeros(0, dtype=np.int32)
         all_ids, all_labels = [empty] * len(sids), [empty] * len(sids)
         n_kept = n_tokens = 0
-        for i, f in enumerate(formatted):  # already tokenized (e.g. MDS made by convert.py --tokenize)
-            if not isinstance(f, Pretokenized):
-                continue
-            if not (f.labels != IGNORE_INDEX).any():
-                self._bad(sids[i], "no trained tokens (nothing to learn from this sample)", counts, "skipped_no_trained_tokens")
-                continue
+        pretokenized = {i: f for i, f in enumerate(formatted) if isinstance(f, Pretokenized)}
+        for i, f in self._check_pretokenized(sids, pretokenized, counts).items():  # e.g. convert.py --tokenize output
             all_ids[i], all_labels[i] = f.ids, f.labels
             n_kept, n_tokens = n_kept + 1, n_tokens + len(f.ids)
             counts.add("samples_pretokenized")
@@ -208,19 +219,6 @@ class Tokenizer:
         counts.add("tokens", n_tokens)
         self.sink.send(counts)
         return carry_unit_columns(batch, tokenized_table(sids, all_ids, all_labels))
-
-
-INT32 = pa.int32()
-
-
-def list_array(parts: list[np.ndarray], dtype: pa.DataType = INT32) -> pa.Array:
-    """A list<dtype> Arrow array from numpy pieces, without per-element Python work."""
-    offsets = np.zeros(len(parts) + 1, dtype=np.int32)
-    if parts:
-        np.cumsum([len(p) for p in parts], out=offsets[1:])
-    values = np.concatenate(parts) if parts else np.zeros(0)
-    np_dtype = np.int64 if dtype == pa.int64() else np.int32
-    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values.astype(np_dtype), dtype))
 
 
 def tokenized_table(sample_ids: list[int], ids: list[np.ndarray], labels: list[np.ndarray]) -> pa.Table:

@@ -69,7 +69,9 @@ FIRST_UNIT_BYTES = READ_BLOCK_BYTES
 # of the stream fingerprint, so a checkpoint of another layout is refused instead of resumed off by rows.
 # 2: the stream's first unit is small (FIRST_UNIT_BYTES); unit rows shuffled by pipelines.seeds.unit_shuffle_seed.
 # 3: FIRST_UNIT_BYTES 256 kB -> 4 MB (with READ_BLOCK_BYTES).
-STREAM_LAYOUT = 3
+# 4: pre-tokenized MDS streams read as id columns: a sample adds 8 bytes per token (int32 ids and labels)
+#    to its unit's size, where its JSON record text counted before.
+STREAM_LAYOUT = 4
 
 # Constant within a unit; they let packing verify it saw a whole unit and let the trainer turn
 # "rows consumed" into a resume position.
@@ -160,20 +162,22 @@ def carry_unit_columns(src: pa.Table, dst: pa.Table) -> pa.Table:
 
 
 def explode_units(units: pa.Table) -> pa.Table:
-    """Unit rows (list columns ``sample_id``, ``record``) -> one row per record, unit columns repeated.
+    """Unit rows (list columns: ``sample_id`` and the records) -> one row per record, unit columns repeated.
 
     Example: one unit row ``sample_id=[7, 8], record=['{..}', '{..}'], unit_id=7, ...`` -> two rows
-    ``(7, '{..}', unit_id=7, ...)`` and ``(8, '{..}', unit_id=7, ...)``. A table already holding one
+    ``(7, '{..}', unit_id=7, ...)`` and ``(8, '{..}', unit_id=7, ...)``. Id-column blocks explode the
+    same way (``input_ids=[[1, 2], [3]]`` -> rows ``[1, 2]`` and ``[3]``). A table already holding one
     row per record is returned as is.
     """
-    if not pa.types.is_list(units.schema.field("record").type):
+    if not pa.types.is_list(units.schema.field("sample_id").type):
         return units
+    unit_names = {name for name, _ in UNIT_FIELDS}
+    record_names = [name for name in units.column_names if name not in unit_names]
     sid = units.column("sample_id").combine_chunks()
     parents = pc.list_parent_indices(sid)
-    columns = [sid.flatten(), units.column("record").combine_chunks().flatten()]
+    columns = [units.column(name).combine_chunks().flatten() for name in record_names]
     columns += [units.column(name).take(parents) for name, _ in UNIT_FIELDS]
-    names = ["sample_id", "record", *(name for name, _ in UNIT_FIELDS)]
-    return pa.Table.from_arrays(columns, names=names)
+    return pa.Table.from_arrays(columns, names=[*record_names, *(name for name, _ in UNIT_FIELDS)])
 
 
 def row_unit_columns(info: UnitInfo, n_rows: int, skip: int) -> list[pa.Array]:

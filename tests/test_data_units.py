@@ -69,6 +69,39 @@ def test_concat_keeps_every_token_and_counts_the_remainder():
     assert counts.counters["concat_partial_rows"] == 1 and counts.counters["concat_partial_tokens"] == 2
 
 
+def _concat_by_hand(s: Samples, seq_len: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """concat packing token by token: the definition the vectorised code must match."""
+    stream = [(int(t), k, i) for k, doc in enumerate(s.ids) for i, t in enumerate(doc.tolist())]
+    ids, pos, sids = [], [], []
+    for r0 in range(0, len(stream), seq_len):
+        row = stream[r0 : r0 + seq_len]
+        ids.append([t for t, _, _ in row])
+        # a position counts from the document's first token or from the row's, whichever is later
+        pos.append([min(i, j) for j, (_, _, i) in enumerate(row)])
+        sids.append([int(s.sample_ids[k]) for k in dict.fromkeys(k for _, k, _ in row)])
+    return ids, pos, sids
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_concat_matches_token_by_token_packing(seed):
+    """Random document lengths, empty documents among them, rows cut inside and at document borders."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 40, size=int(rng.integers(1, 30))).tolist()
+    lengths[int(rng.integers(len(lengths)))] = 0
+    s = _samples(lengths)
+    s = Samples(s.sample_ids * 7 + 3, s.ids, s.labels)
+    seq_len = int(rng.choice([1, 4, 16, 33, 64]))
+    counts = Counts()
+    rows = concat_rows(s, seq_len, counts)
+    want_ids, want_pos, want_sids = _concat_by_hand(s, seq_len)
+    assert sum(lengths) > 0 and len(want_ids) == len(rows.ids)
+    assert [r.tolist() for r in rows.ids] == want_ids
+    assert [r.tolist() for r in rows.labels] == want_ids
+    assert [p.tolist() for p in rows.positions] == want_pos
+    assert [x.tolist() for x in rows.sample_ids] == want_sids
+    assert counts.counters.get("concat_partial_tokens", 0) == sum(lengths) % seq_len
+
+
 @pytest.mark.parametrize("policy", ["truncate", "drop"])
 def test_oversize_policy_is_counted(policy):
     s = _samples([3, 12, 4])

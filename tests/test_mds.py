@@ -227,6 +227,85 @@ def test_pretokenized_sets_pack_inside_the_read_tasks(ray_local, tmp_path, gpt2)
     assert not all_pretokenized(mixed_table, list(range(len(mixed_table.files))))
 
 
+def _labelled_samples(tok, texts: list[str]) -> list[dict]:
+    """One sample per text: GPT-2 ids + EOS, the first 8 labels -100 (a prompt), plus one of each bad kind
+    (MDS cannot hold an empty ndarray, so no empty sample)."""
+    backend = tok.backend_tokenizer
+    backend.no_truncation()
+    out = []
+    for e in backend.encode_batch(texts):
+        ids = np.asarray([*e.ids, tok.eos_token_id], np.int32)
+        labels = ids.copy()
+        labels[:8] = IGNORE_INDEX
+        out.append({"input_ids": ids, "labels": labels})
+    ids = out[0]["input_ids"]
+    out[3] = {"input_ids": np.append(ids, np.int32(60000)), "labels": np.append(ids, np.int32(60000))}  # outside GPT-2
+    out[7] = {"input_ids": ids, "labels": ids[:-1]}  # labels one short
+    out[11] = {"input_ids": ids, "labels": np.full(len(ids), IGNORE_INDEX, np.int32)}  # nothing trained
+    out[19] = {"input_ids": ids, "labels": np.where(ids % 2, ids, -5).astype(np.int32)}  # a negative label
+    return out
+
+
+@pytest.mark.parametrize("packing", ["bfd", "concat"])
+def test_id_columns_give_exactly_the_rows_and_counts_of_json_records(tmp_path, gpt2, monkeypatch, packing):
+    """A pre-tokenized set is read as Arrow id columns and checked in one vectorised pass; the JSON-record
+    path it replaced (still used for mixed sets) must give the same rows, the same counters and the same
+    messages for every bad sample, on real text tokenized with GPT-2."""
+    import pipelines.dataset as dataset_mod
+
+    texts = [json.loads(line)["text"] for line in C4.read_text().splitlines()[:120]]
+    root = mosaic_write(tmp_path / "labelled", _labelled_samples(gpt2, texts), "zstd", size_limit=1 << 14,
+                        columns={"input_ids": "ndarray:int32", "labels": "ndarray:int32"})
+    cfg = make_config([{"path": str(root)}], sequence_len=512, packing=packing, on_bad_record="skip",
+                      pack_buffer_size=40)
+
+    def run() -> tuple[list[dict], dict]:
+        sink = StatsSink()
+        rows = pa.concat_tables(iter_packed_local(cfg, sink=sink)).to_pylist()
+        return rows, sink.local
+
+    from pipelines.pretokenized import IdChecker
+
+    checked = []
+    check = IdChecker.__call__
+    monkeypatch.setattr(IdChecker, "__call__", lambda self, batch: checked.append(
+        len(pa.compute.list_flatten(batch.column("sample_id")))) or check(self, batch))
+    rows, counts = run()
+    assert sum(checked) == len(texts)  # every sample went through the id path
+    with monkeypatch.context() as m:  # force the JSON-record path
+        m.setattr(dataset_mod, "all_pretokenized", lambda table, files: False)
+        want_rows, want_counts = run()
+    assert len(rows) > 20 and rows == want_rows
+    assert counts.counters == want_counts.counters and counts.examples == want_counts.examples
+    c = counts.counters
+    assert c["skipped_bad_record"] == 3 and c["skipped_no_trained_tokens"] == 1
+    assert c["samples_pretokenized"] == c["samples_tokenized"] == len(texts) - 4
+    assert (packing == "concat") == ("truncated_samples" not in c)  # long C4 documents: bfd truncates at 512
+    messages = " | ".join(counts.examples["skipped_bad_record"])
+    for bad in (": token id 60000 is outside the vocabulary", ": labels has", ": token id -5 is outside the vocabulary"):
+        assert bad in messages and ".mds.zstd row " in messages, messages
+    trained = [t for r in rows for t in r["labels"] if t != IGNORE_INDEX]
+    assert 0 < len(trained) < sum(len(r["input_ids"]) for r in rows)  # the -100 prompts survived
+
+
+def test_ids_that_are_not_token_ids_are_reported_by_the_id_reader(tmp_path):
+    """Float ids or ids beyond int32 are not cast quietly: the sample is named, skipped and counted."""
+    root = mosaic_write(tmp_path / "odd", [{"input_ids": np.array([1.0, 2.5])}, {"input_ids": np.array([5, 2**40])},
+                                           {"input_ids": np.array([7, 8])}], None,
+                        columns={"input_ids": "ndarray"})
+    cfg = make_config([{"path": str(root)}], sequence_len=64, on_bad_record="skip", packing="none")
+    sink = StatsSink()
+    rows = pa.concat_tables(iter_packed_local(cfg, sink=sink)).to_pylist()
+    assert [r["input_ids"] for r in rows] == [[7, 8]]
+    assert sink.local.counters["skipped_bad_bytes"] == 2
+    first, second = sink.local.examples["skipped_bad_bytes"]
+    assert "shard.00000.mds row 0: cannot decode the sample" in first and "float64" in first
+    assert "row 1: cannot decode the sample" in second and "token id 1099511627776" in second
+    strict = make_config([{"path": str(root)}], sequence_len=64, packing="none")
+    with pytest.raises(Exception, match=r"row 0: cannot decode the sample: column 'input_ids' should be a flat list"):
+        list(iter_packed_local(strict))
+
+
 def test_token_ids_outside_the_vocabulary_are_refused(tmp_path):
     root = mosaic_write(tmp_path / "bad", [{"input_ids": np.array([1, 2, 60000], np.int32)}], None,
                         columns={"input_ids": "ndarray:int32"})

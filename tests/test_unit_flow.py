@@ -36,7 +36,7 @@ def test_read_blocks_are_one_row_per_unit_and_first_unit_is_small(tmp_path):
 
     cfg = _cfg(tmp_path)
     table = resolve_sources(cfg)
-    blocks = list(read_files(list(table.files), _read_options(cfg, table, "train", first_unit_source=0), StatsSink()))
+    blocks = list(read_files(list(table.files), _read_options(cfg, table, "train", list(range(len(table.files)))), StatsSink()))
     assert all(b.num_rows == 1 for b in blocks)
     sizes = [b.column("unit_records")[0].as_py() for b in blocks]
     n = 1029 * COPIES
