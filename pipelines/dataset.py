@@ -94,8 +94,12 @@ def tokenizer_env(threads: int) -> dict[str, str]:
             "USE_TORCH": "0"}
 
 
-def _read_options(cfg: Config, table: SourceTable, split: str, order: list[int], first: int = 0) -> ReadOptions:
-    """How an epoch's stream is read: ``order`` (indices into ``table.files``) from position ``first`` on."""
+def _read_options(cfg: Config, table: SourceTable, split: str, order: list[int]) -> ReadOptions:
+    """How an epoch's stream over ``order`` (indices into ``table.files``, in read order) is read.
+
+    Decided from the whole epoch, never from where a resumed run starts: id-column blocks measure a
+    unit's size in id bytes, JSON blocks in record text, so a resumed stream must read as the first did.
+    """
     return ReadOptions(
         storage=table.storage,
         on_bad_record=cfg.data.on_bad_record,
@@ -104,7 +108,7 @@ def _read_options(cfg: Config, table: SourceTable, split: str, order: list[int],
         split=split,
         unit_size=unit_size(cfg),
         first_unit_source=order[0] if order else -1,
-        token_ids=all_pretokenized(table, order[first:]),
+        token_ids=all_pretokenized(table, order),
     )
 
 
@@ -177,14 +181,15 @@ def all_pretokenized(table: SourceTable, files: list[int]) -> bool:
 
 
 def tokenizer_stage(ds: ray.data.Dataset, cfg: Config, table: SourceTable, sink: StatsSink,
-                    pack: PackOptions | None = None, files: list[int] | None = None) -> ray.data.Dataset:
+                    pack: PackOptions | None = None, token_ids: bool = False) -> ray.data.Dataset:
     """``ds`` (unit blocks) through the tokenizer actor pool sized and placed by ``data.tokenize``:
     tokenized records, or with ``pack`` packed rows (:class:`TokenizeAndPack`).
 
-    When every file read (``files``) is pre-tokenized MDS, packing runs in the read tasks instead
-    (:func:`all_pretokenized`); ``data.tokenize`` then places nothing."""
+    Id-column blocks (``token_ids``, see :func:`all_pretokenized`) are checked and packed in the read
+    tasks instead (:class:`CheckAndPack`); ``data.tokenize`` then places nothing."""
     kwargs: dict[str, Any] = {"data": cfg.data, "model": cfg.model, "table": table, "sink": sink}
-    if pack is not None and files and all_pretokenized(table, files):
+    if token_ids:
+        assert pack is not None, "id-column blocks are only read to be packed"
         log.info("every source is pre-tokenized MDS: ids are checked and packed in the read tasks "
                  "(no tokenizer actors; data.tokenize is not used)")
         return ds.map_batches(
@@ -233,11 +238,11 @@ def build_dataset(
     sink = StatsSink(new_stats_actor())
     order = ordered_files(cfg, table, epoch, datasets)
     first, cursor, skip = _start(start)
-    opts = _read_options(cfg, table, split, order, first)
+    opts = _read_options(cfg, table, split, order)
     source = ShardDatasource(table, order[first:], opts, sink, cursor, skip)
     n_tasks = max(1, min(len(order) - first, cfg.data.read_tasks))
     ds = ray.data.read_datasource(source, num_cpus=cfg.data.read_num_cpus, override_num_blocks=n_tasks)
-    ds = tokenizer_stage(ds, cfg, table, sink, pack=_pack_options(cfg, epoch), files=order[first:])
+    ds = tokenizer_stage(ds, cfg, table, sink, pack=_pack_options(cfg, epoch), token_ids=opts.token_ids)
     ds.context.target_max_block_size = READ_BLOCK_BYTES  # units leave read tasks as they are read
     ds.context.execution_options.preserve_order = cfg.data.deterministic
     ds.pipelines_stats = sink  # type: ignore[attr-defined]  # read by data_report()
@@ -256,7 +261,7 @@ def iter_packed_local(cfg: Config, split: str = "train", sink: StatsSink | None 
     first, cursor, skip = _start(start)
     order = ordered_files(cfg, table, epoch)
     files = [table.files[i] for i in order[first:]]
-    opts = _read_options(cfg, table, split, order, first)
+    opts = _read_options(cfg, table, split, order)
     if opts.token_ids:
         stage: Any = CheckAndPack(cfg.data, cfg.model, table, sink, _pack_options(cfg, epoch))
     else:

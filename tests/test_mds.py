@@ -288,6 +288,35 @@ def test_id_columns_give_exactly_the_rows_and_counts_of_json_records(tmp_path, g
     assert 0 < len(trained) < sum(len(r["input_ids"]) for r in rows)  # the -100 prompts survived
 
 
+def test_a_resumed_stream_reads_as_its_epoch_did(tmp_path, gpt2, monkeypatch):
+    """Id-column units count id bytes, JSON units record text, so which way a stream is read must come
+    from its whole epoch: resumed past its last JSONL file, a mixed stream still cuts its MDS units as
+    JSON records, and gives exactly the rows the unbroken stream gave from there on."""
+    import pipelines.datasource as datasource_mod
+    from pipelines.dataset import ordered_files
+    from pipelines.units import ResumePoint, file_positions
+
+    texts = [json.loads(line)["text"] for line in C4.read_text().splitlines()[:80]]
+    root = mosaic_write(tmp_path / "concat", [{"tokens": c} for c in _concat_chunks(gpt2, texts, 200)], "zstd",
+                        size_limit=1 << 14, columns={"tokens": "ndarray:int32"})
+    monkeypatch.setattr(datasource_mod, "MAX_UNIT_BYTES", 8000)  # units cut by size: 8 JSON records or 5 id records
+    for seed in range(50):  # a read order with the JSONL file early, so a resume can start past it
+        cfg = make_config([{"path": str(ALPACA), "type": "alpaca"}, {"path": str(root)}], sequence_len=512,
+                          shuffle_seed=seed)
+        table = resolve_sources(cfg)
+        order = ordered_files(cfg, table, 0)
+        k = 1 + max(pos for pos, i in enumerate(order) if table.files[i].format != "mds")
+        if k < len(order) - 2:
+            break
+    assert not all_pretokenized(table, order) and all_pretokenized(table, order[k:])
+    pos_of = file_positions(table, cfg.data.shuffle_seed, 0)
+    keys = ["input_ids", "labels", "sample_ids", "unit_id", "unit_row", "unit_rows"]
+    full = pa.concat_tables(iter_packed_local(cfg)).select(keys).to_pylist()
+    want = [r for r in full if pos_of[split_sample_id(r["unit_id"])[0]] >= k]
+    got = pa.concat_tables(iter_packed_local(cfg, start=ResumePoint(0, k, 0, -1, 0))).select(keys).to_pylist()
+    assert len(want) > 10 and got == want
+
+
 def test_ids_that_are_not_token_ids_are_reported_by_the_id_reader(tmp_path):
     """Float ids or ids beyond int32 are not cast quietly: the sample is named, skipped and counted."""
     root = mosaic_write(tmp_path / "odd", [{"input_ids": np.array([1.0, 2.5])}, {"input_ids": np.array([5, 2**40])},
