@@ -35,7 +35,7 @@ import ray
 from pipelines.config import Config, DataConfig, ModelConfig, TokenizeConfig
 from pipelines.datasource import ReadOptions, ShardDatasource, read_files
 from pipelines.packing import Packer, PackOptions
-from pipelines.pretokenized import IdChecker
+from pipelines.pretokenized import IdChecker, tokenizer_vocab_size
 from pipelines.sources import SourceTable, datasets_for_split, resolve_sources
 from pipelines.stats import StatsSink, new_stats_actor
 from pipelines.tokenize import Tokenizer
@@ -139,8 +139,8 @@ class CheckAndPack:
     """The pre-tokenized stage: id-column blocks of whole units -> packed rows (no tokenizer runs)."""
 
     def __init__(self, data: DataConfig, model: ModelConfig, table: SourceTable, sink: StatsSink,
-                 pack: PackOptions) -> None:
-        self.checker = IdChecker(data, model, table, sink)
+                 pack: PackOptions, vocab_size: int) -> None:
+        self.checker = IdChecker(data, model, table, sink, vocab_size)
         self.packer = Packer(pack, sink, table)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -194,7 +194,8 @@ def tokenizer_stage(ds: ray.data.Dataset, cfg: Config, table: SourceTable, sink:
                  "(no tokenizer actors; data.tokenize is not used)")
         return ds.map_batches(
             _check_and_pack,
-            fn_kwargs={"key": uuid.uuid4().hex, "kwargs": {**kwargs, "pack": pack}},
+            fn_kwargs={"key": uuid.uuid4().hex,
+                       "kwargs": {**kwargs, "pack": pack, "vocab_size": tokenizer_vocab_size(cfg.model)}},
             batch_size=None,
             batch_format="pyarrow",
             num_cpus=cfg.data.read_num_cpus,  # the read tasks' request, so the two fuse
@@ -263,7 +264,8 @@ def iter_packed_local(cfg: Config, split: str = "train", sink: StatsSink | None 
     files = [table.files[i] for i in order[first:]]
     opts = _read_options(cfg, table, split, order)
     if opts.token_ids:
-        stage: Any = CheckAndPack(cfg.data, cfg.model, table, sink, _pack_options(cfg, epoch))
+        stage: Any = CheckAndPack(cfg.data, cfg.model, table, sink, _pack_options(cfg, epoch),
+                                  tokenizer_vocab_size(cfg.model))
     else:
         stage = TokenizeAndPack(cfg.data, cfg.model, table, sink, tokenizer_threads(cfg.data.tokenize, 1),
                                 _pack_options(cfg, epoch))

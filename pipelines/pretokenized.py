@@ -29,7 +29,12 @@ from pipelines.stats import Counts, StatsSink
 from pipelines.tokenizer import IGNORE_INDEX, load_backend
 from pipelines.units import carry_unit_columns, explode_units
 
-__all__ = ["IdChecker", "Problem", "id_problems"]
+__all__ = ["IdChecker", "Problem", "id_problems", "tokenizer_vocab_size"]
+
+
+def tokenizer_vocab_size(model: ModelConfig) -> int:
+    """The vocabulary size ids are checked against (added tokens included), as the tokenizer stage sees it."""
+    return load_backend(model).vocab_size
 
 
 @dataclass(frozen=True)
@@ -95,10 +100,13 @@ class IdChecker:
     JSON record or a Python object per sample: the ids stay Arrow arrays from the read to packing.
     """
 
-    def __init__(self, data: DataConfig, model: ModelConfig, table: SourceTable, sink: StatsSink) -> None:
+    def __init__(self, data: DataConfig, model: ModelConfig, table: SourceTable, sink: StatsSink,
+                 vocab_size: int) -> None:
+        """``vocab_size``: ``model.tokenizer``'s, found once by the driver (:func:`tokenizer_vocab_size`),
+        so a read worker that checks ids never loads the tokenizer."""
         self.data, self.table, self.sink = data, table, sink
         self.tokenizer_name = model.tokenizer_path
-        self.vocab_size = load_backend(model).vocab_size
+        self.vocab_size = vocab_size
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         counts = Counts()
