@@ -64,7 +64,7 @@ def span_labels(ids: np.ndarray, enc: Any, spans: list[tuple[int, int]]) -> tupl
             continue
         last = _first_token(enc, start, end, -1)
         labels[first : last + 1] = ids[first : last + 1]
-        straddles += enc.offsets[first][0] < start
+        straddles += enc.token_to_chars(first)[0] < start  # not enc.offsets: that builds every token's pair
     return labels, straddles
 
 
@@ -203,13 +203,15 @@ class Tokenizer:
             counts.add("samples_pretokenized")
         for i, enc in zip(live, self._encode([formatted[i] for i in live]), strict=True):
             f = formatted[i]
-            ids = np.asarray(enc.ids, dtype=np.int32)
-            labels, straddles = span_labels(ids, enc, f.spans)
+            raw = enc.ids
+            ids = np.empty(len(raw) + f.add_eos, dtype=np.int32)  # room for EOS: no copy to append it
+            ids[: len(raw)] = raw
+            labels, straddles = span_labels(ids, enc, f.spans)  # EOS, past every span, stays -100 here
             if straddles:
                 counts.add("label_span_straddles", straddles, self.table.where(sids[i]))
             if f.add_eos:
-                ids = np.append(ids, np.int32(self.eos))
-                labels = np.append(labels, np.int32(self.eos if f.spans else IGNORE_INDEX))
+                ids[-1] = self.eos
+                labels[-1] = self.eos if f.spans else IGNORE_INDEX
             if not (labels != IGNORE_INDEX).any():
                 self._bad(sids[i], "no trained tokens (nothing to learn from this sample)", counts, "skipped_no_trained_tokens")
                 continue
