@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from pipelines.arrays import list_flat
 from pipelines.config import DataConfig, ModelConfig
@@ -124,12 +125,12 @@ class IdChecker:
             keep[list(problems)] = False
             empty = pa.array([[]], pa.list_(pa.int32()))
             mask = pa.array(~keep)
-            ids_col = pa.compute.if_else(mask, empty.take(np.zeros(batch.num_rows, np.int64)), ids_col)
-            labels_col = pa.compute.if_else(mask, empty.take(np.zeros(batch.num_rows, np.int64)), labels_col)
+            ids_col = pc.if_else(mask, empty.take(np.zeros(batch.num_rows, np.int64)), ids_col)
+            labels_col = pc.if_else(mask, empty.take(np.zeros(batch.num_rows, np.int64)), labels_col)
         kept = batch.num_rows - len(problems)
         counts.add("samples_pretokenized", kept)
         counts.add("samples_tokenized", kept)
-        counts.add("tokens", int(pa.compute.sum(pa.compute.list_value_length(ids_col)).as_py() or 0))
+        counts.add("tokens", int(pc.sum(pc.list_value_length(ids_col)).as_py() or 0))
         self.sink.send(counts)
         out = pa.Table.from_arrays([sids, ids_col, labels_col], names=["sample_id", "input_ids", "labels"])
         return carry_unit_columns(batch, out)
