@@ -314,7 +314,8 @@ class RunConfig(_Strict):
     max_failures: int = Field(0, ge=-1, description="Ray Train FailureConfig.max_failures (-1: forever).")
     export_model: bool = Field(True, description="Write a Hugging Face model + tokenizer at the end.")
     progress_bars: bool = Field(
-        False, description="Ray Data progress bars of the training stream (in the feeder) and eval split; off: one log line per log step instead."
+        False, description="Ray Data progress bars (and its 'Starting execution' lines) of the training stream (in the "
+        "feeder) and eval split; off: one log line per log step instead."
     )
     ray_log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "WARNING", description="Ray Train's console log level (ray.train.LoggingConfig.log_level), also applied in each "

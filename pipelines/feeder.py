@@ -247,7 +247,9 @@ class Feeder:
                  state: dict | None = None, ledger_root: str | None = None, prefetch_items: int = 4,
                  plan: StreamPlan | None = None) -> None:
         self.cfg = config_from_dict(cfg_dict, base_dir=base_dir)
-        ray.data.DataContext.get_current().enable_progress_bars = self.cfg.run.progress_bars  # this process's streams
+        data_context = ray.data.DataContext.get_current()  # this process's streams
+        data_context.enable_progress_bars = self.cfg.run.progress_bars
+        data_context.print_on_execution_start = self.cfg.run.progress_bars  # Ray Data's two lines per epoch
         self.world, self.k, self.epochs = world_size, rows_per_rank, epochs
         self.plan = plan or StreamPlan(self.cfg, "train")
         restored = DataState.from_dict(state)

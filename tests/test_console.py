@@ -122,6 +122,7 @@ def check_console(out: str, run: Path) -> None:
     assert "exclude_resources" not in out  # Ray Train's default ingest options, avoided in build_trainer
     assert "Reporting training result" not in out  # Ray Train's per-report dump from every rank
     assert "row/s]" not in out  # no Ray Data progress bars (run.progress_bars defaults to false)
+    assert "Starting execution of Dataset" not in out and "Execution plan of Dataset" not in out  # nor its plan lines
 
     for phase in ("config:", "cluster up:", "workers up:", "engine ready:", "first batch:", "first step:"):
         assert re.search(rf"\[\s*\d+\.\ds\] {phase}", out), phase

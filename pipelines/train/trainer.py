@@ -109,6 +109,7 @@ def build_trainer(
         datasets["eval"] = eval_dataset
     for ds in datasets.values():
         ds.context.enable_progress_bars = cfg.run.progress_bars
+        ds.context.print_on_execution_start = cfg.run.progress_bars
     use_gpu = cfg.scaling.use_gpu
     storage_path, storage_filesystem = ray_storage(cfg)
     run_config = ray.train.RunConfig(
