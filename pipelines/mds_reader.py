@@ -101,6 +101,7 @@ class MemoryShard:
     def __init__(self, raw: bytes, offsets: np.ndarray, names: list[str], encodings: list[str],
                  sizes: list[int | None]) -> None:
         self.raw, self.offsets = raw, offsets
+        self.samples = len(offsets) - 1
         self.columns = list(zip(names, encodings, sizes, strict=True))
 
     @classmethod
@@ -177,17 +178,22 @@ def _jsonable(obj: Any) -> Any:
     raise TypeError(f"a {type(obj).__name__} value, which has no JSON form")
 
 
+def open_shard(fs: pafs.FileSystem, file: SourceFile) -> tuple[MemoryShard, str]:
+    """A shard source file fetched, checked and wrapped, and its label for messages."""
+    meta = json.loads(file.meta)
+    shard = meta["shard"]
+    label = f"MDS dataset {meta['root']}: shard {shard_name(shard)}"
+    return MemoryShard.from_bytes(shard, fetch_shard(fs, file), label), label
+
+
 def read_mds(fs: pafs.FileSystem, file: SourceFile, bad: Callable[[str, str], None],
              cursor: Cursor | None = None) -> Iterator[tuple[int, str, int, int]]:
     """The reader for ``format: mds``: one shard (``file``) -> ``(row, JSON record, -1, -1)`` per sample.
 
     Resuming at ``cursor.row`` decodes from that sample on (the shard is fetched whole either way).
     """
-    meta = json.loads(file.meta)
-    shard = meta["shard"]
-    label = f"MDS dataset {meta['root']}: shard {shard_name(shard)}"
-    reader = MemoryShard.from_bytes(shard, fetch_shard(fs, file), label)
-    for row in range(cursor.row if cursor else 0, shard["samples"]):
+    reader, label = open_shard(fs, file)
+    for row in range(cursor.row if cursor else 0, reader.samples):
         try:
             rec = sample_to_record(reader.get_item(row))
             for col in TOKEN_COLUMNS:  # compact: base64 of the raw ids (pipelines.records)
@@ -208,11 +214,8 @@ def read_mds_ids(fs: pafs.FileSystem, file: SourceFile, bad: Callable[[str, str]
     ids where the shard has none. A sample whose ids are not a flat integer array is reported as
     undecodable, as :func:`read_mds` reports one it cannot decode.
     """
-    meta = json.loads(file.meta)
-    shard = meta["shard"]
-    label = f"MDS dataset {meta['root']}: shard {shard_name(shard)}"
-    reader = MemoryShard.from_bytes(shard, fetch_shard(fs, file), label)
-    for row in range(cursor.row if cursor else 0, shard["samples"]):
+    reader, label = open_shard(fs, file)
+    for row in range(cursor.row if cursor else 0, reader.samples):
         try:
             rec = sample_to_record(reader.get_item(row, only=TOKEN_COLUMNS))
             ids = as_token_ids(rec["input_ids"], "input_ids")

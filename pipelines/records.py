@@ -34,13 +34,17 @@ def pack_array(arr: np.ndarray) -> dict[str, str]:
 
 
 def unpack_array(value: Any) -> np.ndarray:
-    """An int64 array from :func:`pack_array`'s form or a JSON list; ValueError/TypeError if neither."""
+    """An int64 array from :func:`pack_array`'s form or a JSON list of integers; ValueError/TypeError if
+    neither (``[464.5, 2068]`` or ``[true, 1]`` is an error, not ``[464, 2068]``)."""
     if isinstance(value, dict):
         dtype = value.get("dtype")
         if dtype not in DTYPES or not isinstance(value.get("b64"), str):
             raise ValueError(f"not a packed integer array: {sorted(value)}")
         return np.frombuffer(base64.b64decode(value["b64"]), np.dtype(dtype).newbyteorder("<")).astype(np.int64)
-    return np.asarray(value, dtype=np.int64)
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "iu" and arr.size:
+        raise ValueError(f"not a list of integers ({arr.dtype} values)")
+    return arr.astype(np.int64)
 
 
 class TokenRecord(NamedTuple):

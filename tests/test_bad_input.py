@@ -31,6 +31,8 @@ CASES = {
                    "field 'output' should be a string, got int", "skipped_bad_record"),
     "empty_text": ("completion", json.dumps({"text": "   "}).encode(), "field 'text' is empty", "skipped_bad_record"),
     "not_an_object": ("alpaca", b'["a", "b"]', "should be a JSON object", "skipped_bad_record"),
+    "fractional_ids": ("completion", json.dumps({"input_ids": [464.5, 2068]}).encode(),  # not cast to [464, 2068]
+                       "input_ids/labels should be lists of integers", "skipped_bad_record"),
     "no_assistant_turn": ("chat_template", json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(),
                           "conversation has no assistant turn", "skipped_bad_record"),
     "unknown_role": ("chat_template", json.dumps({"messages": [{"role": "wizard", "content": "x"},
