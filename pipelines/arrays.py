@@ -10,17 +10,23 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["list_array", "list_flat", "list_parts"]
+__all__ = ["list_array", "list_flat", "list_parts", "parts_flat"]
 
 INT32 = pa.int32()
 
 
-def list_array(parts: list[np.ndarray], dtype: pa.DataType = INT32) -> pa.Array:
-    """A list<dtype> Arrow array from numpy pieces, without per-element Python work."""
-    offsets = np.zeros(len(parts) + 1, dtype=np.int32)
+def parts_flat(parts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``(offsets, values)`` of numpy pieces, as a list array holds them: ``[[1, 2], [3]]`` ->
+    ``([0, 2, 3], [1, 2, 3])``."""
+    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
     if parts:
         np.cumsum([len(p) for p in parts], out=offsets[1:])
-    values = np.concatenate(parts) if parts else np.zeros(0)
+    return offsets, (np.concatenate(parts) if parts else np.zeros(0))
+
+
+def list_array(parts: list[np.ndarray], dtype: pa.DataType = INT32) -> pa.Array:
+    """A list<dtype> Arrow array from numpy pieces, without per-element Python work."""
+    offsets, values = parts_flat(parts)
     np_dtype = np.int64 if dtype == pa.int64() else np.int32
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values.astype(np_dtype, copy=False), dtype))
 

@@ -41,6 +41,7 @@ def shard_holds_token_ids(meta: str) -> bool:
     columns = json.loads(meta)["shard"].get("column_names") or []
     return any(c in columns for c in ID_COLUMNS)
 
+
 class MDSError(ValueError):
     """An MDS dataset that cannot be used; the message names the dataset and the shard."""
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipelines.arrays import list_array
+from pipelines.arrays import list_array, parts_flat
 from pipelines.config import DataConfig, ModelConfig
 from pipelines.datasource import BadRecordError
 from pipelines.formats import Formatted, RecordError, make_formatter
@@ -144,12 +144,7 @@ class Tokenizer:
         if not items:
             return {}
         rows = list(items)
-
-        def flat(parts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-            offsets = np.concatenate([[0], np.cumsum([len(p) for p in parts])])
-            return offsets, np.concatenate(parts)
-
-        problems = id_problems(*flat([items[i].ids for i in rows]), *flat([items[i].labels for i in rows]),
+        problems = id_problems(*parts_flat([items[i].ids for i in rows]), *parts_flat([items[i].labels for i in rows]),
                                self.vocab_size, self.tokenizer_name)
         good = {}
         for k, i in enumerate(rows):
