@@ -622,8 +622,9 @@ def notes(ctx: dict[str, Any]) -> list[str]:
     if ours.get("ttfb_s") is not None:
         out.append(f"- ours' first row came {ours['ttfb_s']:.2f} s after `ray.init` ({ours['init_s']:.2f} s). It needs the "
                    "tokenizer actor started (a new worker process that imports transformers and loads the tokenizer) and "
-                   "one whole packing unit (min(`data.pack_buffer_size`, records in the file) = 999 records here) read, "
-                   "tokenized and packed. Ray Data's per-operator times of each run are in results.json (`ray_data_stats`); "
+                   "the stream's first unit (256 kB of records, `FIRST_UNIT_BYTES`; a read task of its own) read, "
+                   "tokenized and packed. The consumer iterates with `prefetch_batches=0`, as the feeder reads blocks as they "
+                   "come; Ray's prefetching window with `batch_size=None` would hold each block until the next one arrives. Ray Data's per-operator times of each run are in results.json (`ray_data_stats`); "
                    "the arrival times of the batches are in `timeline`.")
     if ours.get("baseline_rss_mb"):
         out.append(f"- ours' peak RSS counts the whole Ray tree: {ours['baseline_rss_mb']:.0f} MB of it is there right after "

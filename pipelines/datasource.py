@@ -275,15 +275,32 @@ def _one_row(values: pa.Array) -> pa.Array:
 
 
 def read_files(files: list[SourceFile], opts: ReadOptions, sink: StatsSink, start: Cursor | None = None,
-               skip_rows: int = 0) -> Iterator[pa.Table]:
+               skip_rows: int = 0, *, units: slice = slice(None)) -> Iterator[pa.Table]:
     """The body of one read task: stream its files and yield one block (of one row) per packing unit.
 
     A unit is ``opts.unit_size`` consecutive records of one file (or fewer, at the file's end or past
     ``MAX_UNIT_BYTES``; the stream's first unit stops at ``FIRST_UNIT_BYTES``, see :mod:`pipelines.units`). Units are what packing works on and what resumption counts, so they depend
     only on the data and the config. ``start`` resumes the first file at a unit boundary; that unit's
     first ``skip_rows`` packed rows were already trained on and are dropped after packing.
+
+    ``units`` picks which of the task's units it yields (``slice(0, 1)``: only the first, then stop;
+    ``slice(1, None)``: all but the first). Units are cut the same whatever it picks, and a unit that is
+    not yielded counts nothing (records, bad bytes), so two tasks that split a stream this way count
+    each record once. See :meth:`ShardDatasource.get_read_tasks`.
     """
+    assert units.step is None and (units.start or 0) >= 0 and (units.stop is None or units.stop >= 0), units
     counts = Counts()
+    n_units = 0  # units cut so far (yielded or not)
+
+    def emit(unit: _Unit, end_row: int, end_byte: int) -> Iterator[pa.Table]:
+        nonlocal counts, n_units
+        wanted = n_units >= (units.start or 0) and (units.stop is None or n_units < units.stop)
+        n_units += 1
+        if wanted:
+            counts.add("records_read", len(unit.ids))
+            yield _unit_table(unit, end_row, end_byte, opts)
+        else:
+            counts = Counts()  # what was counted since the last unit belongs to this one: another task's
 
     def bad(where: str, msg: str) -> None:
         if opts.on_bad_record == "raise":
@@ -308,14 +325,16 @@ def read_files(files: list[SourceFile], opts: ReadOptions, sink: StatsSink, star
             unit.nbytes += len(record) if isinstance(record, str) else record.nbytes
             end_row, end_byte = row + 1, rec_end
             if len(unit.ids) >= opts.unit_size or unit.nbytes >= max_bytes:
-                counts.add("records_read", len(unit.ids))
-                yield _unit_table(unit, end_row, end_byte, opts)
+                yield from emit(unit, end_row, end_byte)
                 unit = None
+                if units.stop is not None and n_units >= units.stop:
+                    break
         if unit is not None:
-            counts.add("records_read", len(unit.ids))
-            yield _unit_table(unit, end_row, end_byte, opts)
+            yield from emit(unit, end_row, end_byte)
         sink.send(counts)
         counts = Counts()
+        if units.stop is not None and n_units >= units.stop:
+            return
 
 
 def group_files(files: list[SourceFile], parallelism: int) -> list[list[SourceFile]]:
@@ -355,22 +374,45 @@ class ShardDatasource(Datasource):
         return sum(f.size for f in self._files) or None
 
     def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None, data_context=None) -> list[ReadTask]:
+        """One task per group of whole files, and before them a task for the stream's small first unit.
+
+        A read task's units are merged into blocks of up to ``READ_BLOCK_BYTES`` before they leave it, and
+        the tokenizer stage hands on a block's rows when the whole block is done. The stream's first unit
+        (at most ``FIRST_UNIT_BYTES``) therefore gets a task of its own: its block leaves at once and is
+        tokenized alone, so the first row does not wait for the units merged after it. The first group's
+        task reads that unit again and drops it (``units=slice(1, None)``); the price is reading
+        ``FIRST_UNIT_BYTES`` twice. A resumed stream starts at a full-size unit and has no extra task.
+        """
         tasks = []
         for group in group_files(self._files, max(parallelism, 1)):
-            meta = BlockMetadata(
-                num_rows=None,
-                size_bytes=sum(f.size for f in group) or None,
-                input_files=[f.url for f in group],
-                exec_stats=None,
-            )
-            opts, sink = self._opts, self._sink
             start, skip = (self._start, self._skip) if group[0] is self._files[0] else (None, 0)
-
-            def read_fn(group=group, opts=opts, sink=sink, start=start, skip=skip) -> Iterator[pa.Table]:
-                return read_files(group, opts, sink, start, skip)
-
-            tasks.append(ReadTask(read_fn, meta, schema=opts.schema, per_task_row_limit=per_task_row_limit))
+            units = slice(None)
+            if group[0] is self._files[0] and self._split_first_unit():
+                tasks.append(self._task(group[:1], start, skip, slice(0, 1), FIRST_UNIT_BYTES, per_task_row_limit))
+                units = slice(1, None)
+            tasks.append(self._task(group, start, skip, units, None, per_task_row_limit))
         return tasks
+
+    def _split_first_unit(self) -> bool:
+        first = self._files[0] if self._files else None
+        return (first is not None and first.source_index == self._opts.first_unit_source
+                and (self._start is None or self._start.at_start) and self._skip == 0)
+
+    def _task(self, group: list[SourceFile], start: Cursor | None, skip: int, units: slice, max_bytes: int | None,
+              per_task_row_limit: int | None) -> ReadTask:
+        size = sum(f.size for f in group)
+        meta = BlockMetadata(
+            num_rows=None,
+            size_bytes=(min(size, max_bytes) if max_bytes else size) or None,
+            input_files=[f.url for f in group],
+            exec_stats=None,
+        )
+        opts, sink = self._opts, self._sink
+
+        def read_fn() -> Iterator[pa.Table]:
+            return read_files(group, opts, sink, start, skip, units=units)
+
+        return ReadTask(read_fn, meta, schema=opts.schema, per_task_row_limit=per_task_row_limit)
 
 
 def read_all_records(table: SourceTable, opts: ReadOptions) -> Iterator[tuple[int, str]]:

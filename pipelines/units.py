@@ -4,7 +4,8 @@ A *unit* is a run of consecutive records of one file (``data.pack_buffer_size`` 
 packed on its own, so its rows depend only on its records and the config, and a stream position is
 "file, unit, rows done". The stream's first unit (row 0 of the first file of an epoch's read order)
 is smaller: it ends once its records reach :data:`FIRST_UNIT_BYTES`, so the first packed row comes
-after ~4,700 Alpaca-sized records (4 MB) instead of a whole pack buffer. Like every boundary it
+after ~300 Alpaca-sized records (256 kB) instead of a whole pack buffer (a read task of its own carries
+it, see ``ShardDatasource.get_read_tasks``). Like every boundary it
 depends only on the data and the config, so a resumed run cuts the same units.
 The unit travels *in the data*, as constant columns, never as a block boundary the runtime must keep:
 
@@ -61,9 +62,9 @@ __all__ = [
 # running task may only be 2 blocks ahead of Ray Data's executor, so small blocks starve the tokenizer
 # actor. On the B2 data (BENCHMARKS.md): 256 kB gave 0.19 M tok/s steady, 1 MB 0.49 M, 4 MB 0.67-0.74 M.
 READ_BLOCK_BYTES = 4 << 20
-# The stream's first unit ends once its records reach this many characters (the block target: its
-# block is then larger than the target and leaves the read task at once). About 4,700 Alpaca records.
-FIRST_UNIT_BYTES = READ_BLOCK_BYTES
+# The stream's first unit ends once its records reach this many characters (about 300 Alpaca records,
+# 60 k GPT-2 tokens: tokenized in ~0.2 s). Its read task holds only this unit, so its block leaves at once.
+FIRST_UNIT_BYTES = 256 << 10
 
 # Bump when the same data and config would be cut into other units or shuffled differently; it is part
 # of the stream fingerprint, so a checkpoint of another layout is refused instead of resumed off by rows.
@@ -71,7 +72,8 @@ FIRST_UNIT_BYTES = READ_BLOCK_BYTES
 # 3: FIRST_UNIT_BYTES 256 kB -> 4 MB (with READ_BLOCK_BYTES).
 # 4: pre-tokenized MDS streams read as id columns: a sample adds 8 bytes per token (int32 ids and labels)
 #    to its unit's size, where its JSON record text counted before.
-STREAM_LAYOUT = 4
+# 5: FIRST_UNIT_BYTES 4 MB -> 256 kB (the first unit has a read task of its own).
+STREAM_LAYOUT = 5
 
 # Constant within a unit; they let packing verify it saw a whole unit and let the trainer turn
 # "rows consumed" into a resume position.

@@ -3,6 +3,7 @@
 Before issue 10, Ray Data's read operator buffered a read task's unit blocks up to 128 MB, so a task's
 units left it together when the task ended; now each unit is one row of its own block and the
 dataset's target block size is 4 MB, so the read operator produces one block per unit of 4 MB or more.
+The stream's small first unit has a read task of its own, so its block leaves at once too.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ COPIES, PACK = 5, 2000
 
 def _cfg(tmp_path):
     # LIMA 5 times over: 5,145 real records of ~2.9 kB. 2,000-record units are ~5.8 MB, over the 4 MB
-    # block target; the first unit ends at 4 MB of records (~1,400), the last holds the rest.
+    # block target; the first unit ends at 256 kB of records (~90), the last holds the rest.
     records = json.loads(LIMA.read_text(encoding="utf-8")) * COPIES
     path = write_jsonl(tmp_path / "lima5.jsonl", records)
     return make_config([{"path": str(path), "type": "alpaca"}], sequence_len=1024, pack_buffer_size=PACK,
@@ -40,7 +41,7 @@ def test_read_blocks_are_one_row_per_unit_and_first_unit_is_small(tmp_path):
     assert all(b.num_rows == 1 for b in blocks)
     sizes = [b.column("unit_records")[0].as_py() for b in blocks]
     n = 1029 * COPIES
-    assert len(sizes) == 3 and sizes[1] == PACK and sum(sizes) == n
+    assert len(sizes) == 4 and sizes[1] == sizes[2] == PACK and sum(sizes) == n
     first = explode_units(blocks[0])
     assert 0 < sizes[0] < PACK and sum(len(r) for r in first.column("record").to_pylist()) >= FIRST_UNIT_BYTES
     # records come out in file order, ids consecutive from row 0, unit columns repeated per record
@@ -59,9 +60,51 @@ def test_read_operator_emits_one_block_per_unit_and_rows_match_local(ray_local, 
     m = re.search(r"ReadShards[^\n]*?(\d+) tasks executed, (\d+) blocks produced", stats)
     assert m, stats[:2000]
     tasks, blocks = int(m.group(1)), int(m.group(2))
-    assert tasks == 1 and blocks == 3, stats[:2000]  # the small first unit, 2,000 records, the rest: 3 units
+    # read_tasks 1, plus the first unit's own task; blocks: the small first unit, 2 x 2,000 records, the rest
+    assert tasks == 2 and blocks == 4, stats[:2000]
     local = [r for t in iter_packed_local(cfg) for r in t.to_pylist()]
     assert len(rows) == len(local) > 100
     assert [r["sample_ids"] for r in rows] == [r["sample_ids"] for r in local]
     assert [r["input_ids"] for r in rows] == [r["input_ids"] for r in local]
     assert sorted(s for r in rows for s in r["sample_ids"]) == sorted(set(s for r in rows for s in r["sample_ids"]))
+
+
+@needs_shared
+def test_first_unit_task_and_the_rest_read_exactly_the_unsplit_stream(tmp_path):
+    """The first unit's own read task plus the others yield the unsplit stream's blocks, counted once.
+
+    Lines that are not UTF-8 sit inside the first unit (rows 2 and 40) and after it (150, 700); skip mode
+    counts each of them once although two tasks read the first unit.
+    """
+    from pipelines.dataset import _read_options
+    from pipelines.datasource import ShardDatasource
+    from pipelines.sources import resolve_sources
+
+    records = [json.dumps(r).encode() for r in json.loads(LIMA.read_text(encoding="utf-8"))]
+    for row in (2, 40, 150, 700):
+        records.insert(row, b'{"instruction": "\xff\xfe"}')  # not UTF-8: the read stage skips and counts it
+    a = tmp_path / "a.jsonl"
+    a.write_bytes(b"\n".join(records) + b"\n")
+    b = write_jsonl(tmp_path / "b.jsonl", json.loads(LIMA.read_text(encoding="utf-8"))[:300])
+    cfg = make_config([{"path": str(a), "type": "alpaca"}, {"path": str(b), "type": "alpaca"}],
+                      pack_buffer_size=300, read_tasks=2, on_bad_record="skip")
+    table = resolve_sources(cfg)
+    order = [0, 1]  # a.jsonl first: the stream's first unit is its start
+    assert [f.url.rsplit("/", 1)[-1] for f in table.files] == ["a.jsonl", "b.jsonl"]
+    opts = _read_options(cfg, table, "train", order)
+
+    whole = StatsSink()
+    expected = list(read_files([table.files[i] for i in order], opts, whole))
+    split = StatsSink()
+    tasks = ShardDatasource(table, order, opts, split).get_read_tasks(2)
+    per_task = [list(task.read_fn()) for task in tasks]  # as Ray Data's read tasks run them
+
+    assert len(tasks) == 3 and len(per_task[0]) == 1  # the first unit, then 2 groups of files
+    first_end = per_task[0][0].column("unit_end_row")[0].as_py()
+    assert 40 < first_end < 150  # the first unit holds two bad lines and the next two come after it
+    got = [b for blocks in per_task for b in blocks]
+    assert len(got) == len(expected) > 5
+    assert all(g.equals(e) for g, e in zip(got, expected, strict=True))
+    assert split.local.counters == whole.local.counters
+    assert whole.local.counters["skipped_bad_bytes"] == 4 and whole.local.counters["records_read"] == 1029 + 300
+    assert sorted(split.local.examples["skipped_bad_bytes"]) == sorted(whole.local.examples["skipped_bad_bytes"])
