@@ -89,6 +89,15 @@ def data_bytes(data_dir: Path) -> int:
     return sum(os.path.getsize(p) for p in jsonl_files(data_dir))
 
 
+def iter_ray_blocks(ds: Any) -> Any:
+    """A Ray dataset's blocks as pyarrow tables, each as soon as it is ready (as the feeder reads them).
+
+    ``prefetch_batches=0``: with ``batch_size=None``, Ray 2.60's prefetching window hands a block out only
+    once the next one has arrived (``prefetch_batches_locally``), which holds the first row back by a block.
+    """
+    return ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)
+
+
 # --------------------------------------------------------------------------- child runs
 
 

@@ -169,6 +169,8 @@ def run_ours(p: dict[str, Any]) -> dict[str, Any]:
     import ray
 
     sys.path.insert(0, str(ROOT))
+    from benchlib import iter_ray_blocks
+
     from pipelines.config import config_from_dict
     from pipelines.dataset import build_dataset
 
@@ -186,7 +188,7 @@ def run_ours(p: dict[str, Any]) -> dict[str, Any]:
     t = time.perf_counter()
     rows = tokens = first_tokens = 0
     first = None
-    for batch in build_dataset(cfg).iter_batches(batch_size=None, batch_format="pyarrow"):
+    for batch in iter_ray_blocks(build_dataset(cfg)):
         rows += batch.num_rows
         tokens += pc.sum(pc.list_value_length(batch.column("input_ids"))).as_py()  # no per-token Python
         if first is None:

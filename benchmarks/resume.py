@@ -26,6 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchlib import iter_ray_blocks  # noqa: E402  (benchmarks/ is on the path: this runs as a script)
+
 SHARED = ROOT.parent / "shared" / "data"
 
 
@@ -56,7 +58,7 @@ def _config(path: Path):
 
 def _first_row_s(ds) -> float:
     t0 = time.perf_counter()
-    next(iter(ds.iter_batches(batch_size=None, batch_format="pyarrow")))
+    next(iter(iter_ray_blocks(ds)))
     return time.perf_counter() - t0
 
 
@@ -74,7 +76,7 @@ def _skip(cfg, total_rows: int, frac: float) -> float:
     target = int(frac * total_rows)
     t0 = time.perf_counter()
     seen = 0
-    for batch in build_dataset(cfg).iter_batches(batch_size=None, batch_format="pyarrow"):
+    for batch in iter_ray_blocks(build_dataset(cfg)):
         seen += batch.num_rows
         if seen > target:
             break

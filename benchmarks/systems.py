@@ -215,10 +215,9 @@ def sys_ours(p: dict[str, Any]) -> dict[str, Any]:
     clock = Clock()
     ds = build_dataset(cfg, split="train")
     lengths: list[int] = []
-    # prefetch_batches=0: with batch_size=None, Ray 2.60's prefetching window hands a block out only once
-    # the next one has arrived (prefetch_batches_locally), which holds the first row back by a whole block.
-    # The feeder reads blocks as they come (iter_internal_ref_bundles); this consumer does the same.
-    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0):
+    from benchlib import iter_ray_blocks
+
+    for batch in iter_ray_blocks(ds):
         tokens, rows, lens = _count(batch)
         clock.batch(tokens, rows)
         lengths.extend(lens)
