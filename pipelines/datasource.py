@@ -300,7 +300,7 @@ def read_files(files: list[SourceFile], opts: ReadOptions, sink: StatsSink, star
             counts.add("records_read", len(unit.ids))
             yield _unit_table(unit, end_row, end_byte, opts)
         else:
-            counts = Counts()  # what was counted since the last unit belongs to this one: another task's
+            counts = Counts()  # counted since the last unit: this unit's, which the task yielding it counts
 
     def bad(where: str, msg: str) -> None:
         if opts.on_bad_record == "raise":
@@ -331,8 +331,9 @@ def read_files(files: list[SourceFile], opts: ReadOptions, sink: StatsSink, star
                     break
         if unit is not None:
             yield from emit(unit, end_row, end_byte)
-        sink.send(counts)
-        counts = Counts()
+        if n_units >= (units.start or 0):  # else the counts so far are those of a unit not yet cut
+            sink.send(counts)
+            counts = Counts()
         if units.stop is not None and n_units >= units.stop:
             return
 
@@ -381,14 +382,17 @@ class ShardDatasource(Datasource):
         (at most ``FIRST_UNIT_BYTES``) therefore gets a task of its own: its block leaves at once and is
         tokenized alone, so the first row does not wait for the units merged after it. The first group's
         task reads that unit again and drops it (``units=slice(1, None)``); the price is reading
-        ``FIRST_UNIT_BYTES`` twice. A resumed stream starts at a full-size unit and has no extra task.
+        ``FIRST_UNIT_BYTES`` twice (more only when the first file holds no record: then the first unit is the
+        next file's, full size). A resumed stream starts at a full-size unit and has no extra task.
         """
         tasks = []
         for group in group_files(self._files, max(parallelism, 1)):
             start, skip = (self._start, self._skip) if group[0] is self._files[0] else (None, 0)
             units = slice(None)
             if group[0] is self._files[0] and self._split_first_unit():
-                tasks.append(self._task(group[:1], start, skip, slice(0, 1), FIRST_UNIT_BYTES, per_task_row_limit))
+                # the whole group, not its first file: if that file holds no record, the first unit is the
+                # next file's first, and both tasks must agree on which unit that is
+                tasks.append(self._task(group, start, skip, slice(0, 1), FIRST_UNIT_BYTES, per_task_row_limit))
                 units = slice(1, None)
             tasks.append(self._task(group, start, skip, units, None, per_task_row_limit))
         return tasks

@@ -69,6 +69,28 @@ def test_read_operator_emits_one_block_per_unit_and_rows_match_local(ray_local, 
     assert sorted(s for r in rows for s in r["sample_ids"]) == sorted(set(s for r in rows for s in r["sample_ids"]))
 
 
+def _split_and_whole(cfg, order: list[int], parallelism: int):
+    """Blocks and counts of ``read_files`` over the whole ``order``, and of the datasource's read tasks."""
+    from pipelines.dataset import _read_options
+    from pipelines.datasource import ShardDatasource
+    from pipelines.sources import resolve_sources
+
+    table = resolve_sources(cfg)
+    opts = _read_options(cfg, table, "train", order)
+    whole = StatsSink()
+    expected = list(read_files([table.files[i] for i in order], opts, whole))
+    split = StatsSink()
+    tasks = ShardDatasource(table, order, opts, split).get_read_tasks(parallelism)
+    per_task = [list(task.read_fn()) for task in tasks]  # as Ray Data's read tasks run them
+    got = [b for blocks in per_task for b in blocks]
+    assert len(got) == len(expected) > 3
+    assert all(g.equals(e) for g, e in zip(got, expected, strict=True))
+    assert split.local.counters == whole.local.counters
+    for key, examples in whole.local.examples.items():
+        assert sorted(split.local.examples[key]) == sorted(examples)
+    return per_task, whole.local.counters
+
+
 @needs_shared
 def test_first_unit_task_and_the_rest_read_exactly_the_unsplit_stream(tmp_path):
     """The first unit's own read task plus the others yield the unsplit stream's blocks, counted once.
@@ -76,10 +98,6 @@ def test_first_unit_task_and_the_rest_read_exactly_the_unsplit_stream(tmp_path):
     Lines that are not UTF-8 sit inside the first unit (rows 2 and 40) and after it (150, 700); skip mode
     counts each of them once although two tasks read the first unit.
     """
-    from pipelines.dataset import _read_options
-    from pipelines.datasource import ShardDatasource
-    from pipelines.sources import resolve_sources
-
     records = [json.dumps(r).encode() for r in json.loads(LIMA.read_text(encoding="utf-8"))]
     for row in (2, 40, 150, 700):
         records.insert(row, b'{"instruction": "\xff\xfe"}')  # not UTF-8: the read stage skips and counts it
@@ -88,23 +106,27 @@ def test_first_unit_task_and_the_rest_read_exactly_the_unsplit_stream(tmp_path):
     b = write_jsonl(tmp_path / "b.jsonl", json.loads(LIMA.read_text(encoding="utf-8"))[:300])
     cfg = make_config([{"path": str(a), "type": "alpaca"}, {"path": str(b), "type": "alpaca"}],
                       pack_buffer_size=300, read_tasks=2, on_bad_record="skip")
-    table = resolve_sources(cfg)
-    order = [0, 1]  # a.jsonl first: the stream's first unit is its start
-    assert [f.url.rsplit("/", 1)[-1] for f in table.files] == ["a.jsonl", "b.jsonl"]
-    opts = _read_options(cfg, table, "train", order)
+    per_task, counters = _split_and_whole(cfg, [0, 1], 2)  # a.jsonl first: the stream's first unit is its start
 
-    whole = StatsSink()
-    expected = list(read_files([table.files[i] for i in order], opts, whole))
-    split = StatsSink()
-    tasks = ShardDatasource(table, order, opts, split).get_read_tasks(2)
-    per_task = [list(task.read_fn()) for task in tasks]  # as Ray Data's read tasks run them
-
-    assert len(tasks) == 3 and len(per_task[0]) == 1  # the first unit, then 2 groups of files
+    assert len(per_task) == 3 and len(per_task[0]) == 1  # the first unit, then 2 groups of files
     first_end = per_task[0][0].column("unit_end_row")[0].as_py()
     assert 40 < first_end < 150  # the first unit holds two bad lines and the next two come after it
-    got = [b for blocks in per_task for b in blocks]
-    assert len(got) == len(expected) > 5
-    assert all(g.equals(e) for g, e in zip(got, expected, strict=True))
-    assert split.local.counters == whole.local.counters
-    assert whole.local.counters["skipped_bad_bytes"] == 4 and whole.local.counters["records_read"] == 1029 + 300
-    assert sorted(split.local.examples["skipped_bad_bytes"]) == sorted(whole.local.examples["skipped_bad_bytes"])
+    assert counters["skipped_bad_bytes"] == 4 and counters["records_read"] == 1029 + 300
+
+
+@needs_shared
+def test_first_unit_task_when_the_first_file_has_no_records(tmp_path):
+    """The stream's first file holds nothing usable: the first unit comes from the next file, read by
+    both the first unit's task and its group's task (which drops it), and nothing else is dropped."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"x": "\xff"}\n{"y": "\xfe"}\n')  # two lines, neither UTF-8
+    lima = json.loads(LIMA.read_text(encoding="utf-8"))
+    a = write_jsonl(tmp_path / "a.jsonl", lima[:700])
+    b = write_jsonl(tmp_path / "b.jsonl", lima[700:])
+    cfg = make_config([{"path": str(p), "type": "alpaca"} for p in (bad, a, b)],
+                      pack_buffer_size=300, read_tasks=2, on_bad_record="skip")
+    per_task, counters = _split_and_whole(cfg, [0, 1, 2], 2)
+
+    assert len(per_task) == 3 and len(per_task[0]) == 1
+    assert per_task[0][0].column("unit_records")[0].as_py() == 300  # a.jsonl's first unit, full size
+    assert counters["skipped_bad_bytes"] == 2 and counters["records_read"] == 1029
