@@ -198,6 +198,8 @@ def _chunks_of(ds: ray.data.Dataset) -> Iterator[Chunk]:
         parts: list[tuple[Any, int, int | None, Any]] = []  # block, start, stop, pending task
         for entry, cut in zip(bundle.blocks, bundle.slices, strict=True):
             start, stop = (0, entry.metadata.num_rows) if cut is None else (cut.start_offset, cut.end_offset)
+            if stop is not None and stop <= start:
+                continue  # no rows: e.g. the block of a read task that yielded no unit, which has no columns
             where, task = nodes[entry.ref], None
             if where and here not in where and stop is not None and stop > start:
                 far = NodeAffinitySchedulingStrategy(where[0], soft=True)
@@ -208,6 +210,8 @@ def _chunks_of(ds: ray.data.Dataset) -> Iterator[Chunk]:
                 chunk = replace(ray.get(task), block=ref)
             else:
                 table = _arrow(ray.get(ref))
+                if not table.num_rows:
+                    continue
                 chunk = Chunk.from_table(table, ref, start, table.num_rows if stop is None else stop)
             if len(chunk):
                 yield chunk

@@ -130,3 +130,28 @@ def test_first_unit_task_when_the_first_file_has_no_records(tmp_path):
     assert len(per_task) == 3 and len(per_task[0]) == 1
     assert per_task[0][0].column("unit_records")[0].as_py() == 300  # a.jsonl's first unit, full size
     assert counters["skipped_bad_bytes"] == 2 and counters["records_read"] == 1029
+
+
+def test_feeder_skips_the_empty_block_of_a_read_task_without_units(ray_local, tmp_path):
+    """One file of one unit: the first unit's task yields it and the group's task yields nothing, which
+    Ray Data turns into an empty block without columns. The feeder passes over it (it failed on the
+    missing ``input_ids`` column) and delivers exactly the local path's rows."""
+    import ray
+
+    from pipelines.config import config_from_dict
+    from pipelines.dataset import build_dataset, iter_packed_local
+    from pipelines.feeder import _chunks_of
+
+    write_jsonl(tmp_path / "part-0.jsonl", [{"text": f"record {i} " + "word " * (3 + i % 5)} for i in range(16)])
+    cfg = config_from_dict({
+        "model": {"tokenizer": "demo://tokenizer"},
+        "data": {"sequence_len": 64, "packing": "none", "datasets": [{"path": str(tmp_path), "type": "completion"}],
+                 "tokenize": {"num_actors": 1, "num_cpus": 0.25}},
+    })
+    ds = build_dataset(cfg)
+    sizes = [e.metadata.num_rows for b in ds.iter_internal_ref_bundles() for e in b.blocks]
+    assert sorted(sizes) == [0, 16]  # the case under test: one empty block beside the unit's
+    chunks = list(_chunks_of(build_dataset(cfg)))
+    got = [ray.get(c.block).slice(c.offset, len(c)).column("sample_ids").to_pylist() for c in chunks]
+    local = [t.column("sample_ids").to_pylist() for t in iter_packed_local(cfg)]
+    assert got == local and sum(len(x) for x in got) == 16
