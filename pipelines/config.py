@@ -237,6 +237,10 @@ class DataConfig(_Strict):
     tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig, description="The tokenizer actor pool (not started when every source is pre-tokenized MDS).")
     read_num_cpus: float = Field(0.25, gt=0, description="CPUs reserved per read task (small so actors never starve reads).")
     read_tasks: int = Field(8, gt=0, description="Read tasks (each owns a contiguous group of whole files).")
+    read_concurrency: int | Literal["auto"] = Field(
+        "auto", description="Read tasks running at once; auto: one per tokenizer actor of the pool at its largest "
+        "(1 on a 2-CPU machine), or as many as the CPUs allow when every source is pre-tokenized MDS."
+    )
     mix_by: Literal["tokens", "samples", "none"] = Field(
         "tokens", description="Several datasets: keep each one's share of tokens (or samples) at its weight; "
         "none: one stream over all files, weights ignored."
@@ -247,6 +251,13 @@ class DataConfig(_Strict):
     deterministic: bool = Field(
         True, description="Keep the stream in read order (needed for exact mid-epoch resume); false trades that for throughput."
     )
+
+    @field_validator("read_concurrency")
+    @classmethod
+    def _positive(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be >= 1 or 'auto'")
+        return v
 
     @model_validator(mode="after")
     def _eval_sources(self) -> DataConfig:

@@ -124,7 +124,7 @@ class DataState:
 # --------------------------------------------------------------------------- fingerprint
 
 # data.* keys that change how fast the stream is made, never which rows it holds.
-_NOT_IN_STREAM = ("tokenize", "read_num_cpus", "read_tasks", "eval_datasets", "datasets")
+_NOT_IN_STREAM = ("tokenize", "read_num_cpus", "read_tasks", "read_concurrency", "eval_datasets", "datasets")
 # Tokenizer files hashed for its identity; the chat template is its own entry.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                     "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model")

@@ -155,3 +155,50 @@ def test_feeder_skips_the_empty_block_of_a_read_task_without_units(ray_local, tm
     got = [ray.get(c.block).slice(c.offset, len(c)).column("sample_ids").to_pylist() for c in chunks]
     local = [t.column("sample_ids").to_pylist() for t in iter_packed_local(cfg)]
     assert got == local and sum(len(x) for x in got) == 16
+
+
+def _read_tasks_at_once(ds) -> int | None:
+    """The cap on concurrent read tasks in ``ds``'s plan (the read operator's task pool size)."""
+    from ray.data._internal.logical.operators.read_operator import Read
+
+    op = ds._logical_plan.dag
+    while not isinstance(op, Read):
+        (op,) = op.input_dependencies
+    return op.compute.size
+
+
+def test_read_concurrency_follows_the_tokenizer_pool():
+    from pipelines.dataset import read_concurrency
+
+    def cfg(**data):
+        return make_config([{"path": "unused.jsonl", "type": "alpaca"}], **data)
+
+    # auto: one read task per tokenizer actor of the pool at its largest
+    assert read_concurrency(cfg(tokenize={"num_actors": 1}), token_ids=False) == 1
+    assert read_concurrency(cfg(tokenize={"num_actors": 3}), token_ids=False) == 3
+    assert read_concurrency(cfg(tokenize={"num_actors": "auto", "num_cpus": 1.0}), False, cpus=2) == 1
+    assert read_concurrency(cfg(tokenize={"num_actors": "auto", "num_cpus": 1.0}), False, cpus=16) == 15
+    # pre-tokenized sets: the reads do the packing, so Ray's own cap (the CPUs) applies
+    assert read_concurrency(cfg(tokenize={"num_actors": 1}), token_ids=True) is None
+    # set explicitly: as set, either way
+    assert read_concurrency(cfg(read_concurrency=4), token_ids=False) == 4
+    assert read_concurrency(cfg(read_concurrency=2), token_ids=True) == 2
+
+
+@needs_shared
+def test_capped_reads_give_the_same_rows(ray_local, tmp_path):
+    from pipelines.dataset import build_dataset, iter_packed_local
+
+    records = json.loads(LIMA.read_text(encoding="utf-8"))[:600]
+    paths = [write_jsonl(tmp_path / f"part{i}.jsonl", records[i::3]) for i in range(3)]
+    datasets = [{"path": str(p), "type": "alpaca"} for p in paths]
+    local = None
+    for setting, cap in (("auto", 2), (1, 1)):
+        cfg = make_config(datasets, sequence_len=1024, pack_buffer_size=64, read_tasks=3, read_concurrency=setting,
+                          tokenize={"num_actors": 2, "num_cpus": 0.5, "batch_size": 64})
+        ds = build_dataset(cfg)
+        assert _read_tasks_at_once(ds) == cap
+        rows = [r for b in ds.iter_batches(batch_size=None, batch_format="pyarrow") for r in b.to_pylist()]
+        local = local or [r for t in iter_packed_local(cfg) for r in t.to_pylist()]
+        assert len(rows) == len(local) > 50
+        assert [r["input_ids"] for r in rows] == [r["input_ids"] for r in local]
