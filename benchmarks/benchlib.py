@@ -94,8 +94,9 @@ def iter_ray_blocks(ds: Any) -> Any:
 
     ``prefetch_batches=0``: with ``batch_size=None``, Ray 2.60's prefetching window hands a block out only
     once the next one has arrived (``prefetch_batches_locally``), which holds the first row back by a block.
+    Empty blocks are passed over: a read task that yields no unit leaves one without columns (as in the feeder).
     """
-    return ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)
+    return (b for b in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0) if b.num_rows)
 
 
 # --------------------------------------------------------------------------- child runs

@@ -43,12 +43,12 @@ import numpy as np
 
 from pipelines.resume import SourceState
 from pipelines.seeds import stream_epoch
-from pipelines.units import ResumePoint, point_after
+from pipelines.units import ROW_UNIT_FIELDS, ResumePoint, point_after
 
 __all__ = ["Chunk", "Mixer", "Picked", "fresh_states", "stream_epoch"]
 
 Row = dict[str, Any]
-UNIT_COLUMNS = ("unit_id", "unit_row", "unit_rows", "unit_start_byte", "unit_end_row", "unit_end_byte")
+UNIT_COLUMNS = tuple(name for name, _ in ROW_UNIT_FIELDS)  # where a row sits in its unit (pipelines.units)
 # open(source index, state) -> (chunks, or single row dicts, of that source from state.point,
 #                               source index -> file position)
 Opener = Callable[[int, SourceState], tuple[Iterator[Any], dict[int, int]]]

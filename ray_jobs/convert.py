@@ -168,7 +168,7 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
     """Run one conversion; returns what was written (rows, shards, parts, seconds)."""
     import ray
 
-    from pipelines.dataset import tokenizer_stage
+    from pipelines.dataset import read_concurrency, tokenizer_stage
     from pipelines.datasource import ReadOptions, ShardDatasource
     from pipelines.mds_sink import MDSDatasink
     from pipelines.stats import StatsSink, format_report, new_stats_actor
@@ -189,7 +189,8 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
     tasks = args.write_tasks or max(1, int(ray.cluster_resources().get("CPU", 1)))
     order = list(range(len(table.files)))
     source = ShardDatasource(table, order, read_opts, StatsSink())
-    ds = ray.data.read_datasource(source, override_num_blocks=max(1, min(len(order), tasks)), num_cpus=0.25)
+    ds = ray.data.read_datasource(source, override_num_blocks=max(1, min(len(order), tasks)), num_cpus=0.25,
+                                  concurrency=read_concurrency(cfg, token_ids=False) if args.tokenize else None)
     ds.context.execution_options.preserve_order = True
     common = {"compression": compression, "hashes": hashes, "size_limit": args.size_limit, "storage": opts,
               "overwrite": args.overwrite}

@@ -25,7 +25,7 @@ import importlib.util
 import logging
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,8 +34,7 @@ from pipelines.config import AdapterConfig, Config, ConfigError, ModelConfig
 if TYPE_CHECKING:
     from peft import LoraConfig
 
-__all__ = ["ParamCount", "apply_adapter", "check_targets", "count_params", "lora_config", "preflight_adapter",
-           "qlora_quantization_config"]
+__all__ = ["ParamCount", "apply_adapter", "check_targets", "count_params", "lora_config", "preflight_adapter"]
 
 logger = logging.getLogger(__name__)
 
@@ -156,19 +155,6 @@ def count_params(model: torch.nn.Module) -> ParamCount:
         total += n
         trainable += n if p.requires_grad else 0
     return ParamCount(trainable, total)
-
-
-def qlora_quantization_config(compute_dtype: torch.dtype) -> Any:
-    """NF4 + double quantisation; packed storage in ``compute_dtype`` so ZeRO-3 can shard it."""
-    from transformers import BitsAndBytesConfig
-
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=compute_dtype,
-        bnb_4bit_quant_storage=compute_dtype,
-    )
 
 
 def skeleton(model_cfg: ModelConfig) -> torch.nn.Module | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -69,6 +69,19 @@ def init_config(init: ModelInit, tokenizer: PreTrainedTokenizerBase):  # -> Pret
     return LlamaConfig(**common)
 
 
+def qlora_quantization_config(compute_dtype: torch.dtype) -> Any:
+    """NF4 + double quantisation; packed storage in ``compute_dtype`` so ZeRO-3 can shard it."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+        bnb_4bit_quant_storage=compute_dtype,
+    )
+
+
 def _qlora_kwargs(model_cfg: ModelConfig, dtype: torch.dtype) -> dict:
     """``from_pretrained`` arguments that load the base in 4 bits (``model.adapter.type: qlora``, GPU).
 
@@ -78,8 +91,6 @@ def _qlora_kwargs(model_cfg: ModelConfig, dtype: torch.dtype) -> dict:
     if model_cfg.adapter.type != "qlora":
         return {}
     from transformers.integrations import is_deepspeed_zero3_enabled
-
-    from pipelines.train.adapter import qlora_quantization_config
 
     kwargs: dict = {"quantization_config": qlora_quantization_config(dtype)}
     if not is_deepspeed_zero3_enabled():
