@@ -173,13 +173,16 @@ def test_read_concurrency_follows_the_tokenizer_pool():
     def cfg(**data):
         return make_config([{"path": "unused.jsonl", "type": "alpaca"}], **data)
 
+    # the default: Ray's own cap (as many as the CPUs allow)
+    assert read_concurrency(cfg(tokenize={"num_actors": 1}), token_ids=False) is None
     # auto: one read task per tokenizer actor of the pool at its largest
-    assert read_concurrency(cfg(tokenize={"num_actors": 1}), token_ids=False) == 1
-    assert read_concurrency(cfg(tokenize={"num_actors": 3}), token_ids=False) == 3
-    assert read_concurrency(cfg(tokenize={"num_actors": "auto", "num_cpus": 1.0}), False, cpus=2) == 1
-    assert read_concurrency(cfg(tokenize={"num_actors": "auto", "num_cpus": 1.0}), False, cpus=16) == 15
+    auto = {"read_concurrency": "auto"}
+    assert read_concurrency(cfg(tokenize={"num_actors": 1}, **auto), token_ids=False) == 1
+    assert read_concurrency(cfg(tokenize={"num_actors": 3}, **auto), token_ids=False) == 3
+    assert read_concurrency(cfg(tokenize={"num_actors": "auto", "num_cpus": 1.0}, **auto), False, cpus=2) == 1
+    assert read_concurrency(cfg(tokenize={"num_actors": "auto", "num_cpus": 1.0}, **auto), False, cpus=16) == 15
     # pre-tokenized sets: the reads do the packing, so Ray's own cap (the CPUs) applies
-    assert read_concurrency(cfg(tokenize={"num_actors": 1}), token_ids=True) is None
+    assert read_concurrency(cfg(tokenize={"num_actors": 1}, **auto), token_ids=True) is None
     # set explicitly: as set, either way
     assert read_concurrency(cfg(read_concurrency=4), token_ids=False) == 4
     assert read_concurrency(cfg(read_concurrency=2), token_ids=True) == 2
@@ -193,7 +196,7 @@ def test_capped_reads_give_the_same_rows(ray_local, tmp_path):
     paths = [write_jsonl(tmp_path / f"part{i}.jsonl", records[i::3]) for i in range(3)]
     datasets = [{"path": str(p), "type": "alpaca"} for p in paths]
     local = None
-    for setting, cap in (("auto", 2), (1, 1)):
+    for setting, cap in (("auto", 2), (1, 1), (None, None)):
         cfg = make_config(datasets, sequence_len=1024, pack_buffer_size=64, read_tasks=3, read_concurrency=setting,
                           tokenize={"num_actors": 2, "num_cpus": 0.5, "batch_size": 64})
         ds = build_dataset(cfg)
