@@ -238,9 +238,9 @@ class DataConfig(_Strict):
     read_num_cpus: float = Field(0.25, gt=0, description="CPUs reserved per read task (small so actors never starve reads).")
     read_tasks: int = Field(8, gt=0, description="Read tasks (each owns a contiguous group of whole files).")
     read_concurrency: int | Literal["auto"] | None = Field(
-        None, description="Read tasks running at once; null: as many as the CPUs allow (Ray's default); auto: one per "
-        "tokenizer actor of the pool at its largest (1 on a 2-CPU machine; B2 ~30% faster there; opt-in: a mixed run "
-        "in tests/test_node_loss.py stalled with it), Ray's default when every source is pre-tokenized MDS."
+        "auto", description="Read tasks running at once; auto: one per tokenizer actor of the pool at its largest (1 "
+        "on a 2-CPU machine, where B2 is ~30% faster than with Ray's default), Ray's default when every source is "
+        "pre-tokenized MDS; null: as many as the CPUs allow (Ray's default)."
     )
     mix_by: Literal["tokens", "samples", "none"] = Field(
         "tokens", description="Several datasets: keep each one's share of tokens (or samples) at its weight; "

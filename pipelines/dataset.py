@@ -26,7 +26,7 @@ import math
 import os
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pyarrow as pa
@@ -79,6 +79,23 @@ def tokenizer_pool_size(tok: TokenizeConfig, cpus: float | None = None) -> tuple
     return 1, max(1, math.floor((cpus - CPU_RESERVE_FOR_READS) / tok.num_cpus))
 
 
+def tokenizer_pools_short(tok: TokenizeConfig, pools: int, cluster: Mapping[str, float]) -> list[str]:
+    """What ``cluster`` (``ray.cluster_resources()``) lacks to run ``pools`` tokenizer pools at once, each at
+    its smallest; empty when they fit.
+
+    A mix of N sources streams them side by side, one pool each, so all N must start. Example:
+    ``resources: {cpu_node: 1}``, 2 sources, one node with ``cpu_node: 1`` -> ``["cpu_node: 2 needed, 1 in
+    the cluster"]``: one pool waits for the other's stream to end, which can be never (the mixer waits on
+    the stream that cannot start; tests/test_node_loss.py stalled so).
+    """
+    smallest = tokenizer_pool_size(tok, cpus=1.0)[0]  # the minimum does not depend on the CPUs
+    need = {"CPU": tok.num_cpus * smallest * pools}
+    for key, amount in tok.resources.items():
+        need[key] = need.get(key, 0.0) + amount * smallest * pools
+    return [f"{key}: {n:g} needed, {cluster.get(key, 0.0):g} in the cluster"
+            for key, n in need.items() if n > cluster.get(key, 0.0) + 1e-9]
+
+
 def tokenizer_threads(tok: TokenizeConfig, max_actors: int, cpus: float | None = None) -> int:
     """Rust threads per tokenizer actor: as set, or (auto) the cluster's CPUs per actor, at least 1."""
     if tok.threads != "auto":
@@ -88,17 +105,14 @@ def tokenizer_threads(tok: TokenizeConfig, max_actors: int, cpus: float | None =
 
 
 def read_concurrency(cfg: Config, token_ids: bool, cpus: float | None = None) -> int | None:
-    """Read tasks running at once: ``data.read_concurrency``; ``None`` (the default) is Ray's own cap, as
-    many as the CPUs allow. ``auto``: one per tokenizer actor of the pool at its largest, or Ray's cap when
-    the read tasks do the work themselves (``token_ids``: every source is pre-tokenized MDS).
+    """Read tasks running at once: ``data.read_concurrency``; ``None`` is Ray's own cap, as many as the
+    CPUs allow. ``auto`` (the default): one per tokenizer actor of the pool at its largest, or Ray's cap
+    when the read tasks do the work themselves (``token_ids``: every source is pre-tokenized MDS).
 
     Example: 2 CPUs -> 1 actor -> 1 read task at a time; 16 CPUs -> 15 actors -> 15. Reading is cheap
     next to tokenizing (B2 data: 0.2-0.6 CPU-s of reads against 12 CPU-s in the tokenizer), but each read
     task that runs beside another takes a worker process of its own, which imports ``ray.data`` (~2 CPU-s)
     on the cores the tokenizer needs; with Ray's default (4 at a time on 2 CPUs) B2 was ~30% slower.
-    Opt-in, not the default: with it, the mixed run of tests/test_node_loss.py (two sources whose
-    tokenizer actors share one node slot, on a 4-node cluster) stalled before its fourth step; not
-    understood yet.
     """
     d = cfg.data
     if d.read_concurrency is None:

@@ -48,7 +48,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipelines.config import Config, config_from_dict, dump_config
-from pipelines.dataset import build_dataset, data_report
+from pipelines.dataset import all_pretokenized, build_dataset, data_report, tokenizer_pools_short
 from pipelines.mixing import Chunk, Mixer, Picked, fresh_states
 from pipelines.resume import DataState, Ledger, LedgerEntry, SourceState
 from pipelines.sources import resolve_sources
@@ -231,6 +231,21 @@ class StreamPlan:
             self.weights = [d.weight for d in cfg.data.datasets]
         self.table = resolve_sources(cfg, split)  # listed once; files are fixed for the run
         self.datasets: list[ray.data.Dataset] = []  # every stream opened (for data_report)
+        self._check_pools()
+
+    def _check_pools(self) -> None:
+        """Warn when the cluster cannot start one tokenizer pool per mixed source at once."""
+        tokenized = [g for g in self.groups if not all_pretokenized(
+            self.table, [f.source_index for f in self.table.files if g is None or f.dataset_index in g])]
+        if len(tokenized) < 2 or not ray.is_initialized():
+            return
+        short = tokenizer_pools_short(self.cfg.data.tokenize, len(tokenized), ray.cluster_resources())
+        if short:
+            logger.warning(
+                "%d mixed sources stream side by side, one tokenizer pool each, but the cluster cannot start them "
+                "all (%s): a pool that cannot start waits for another stream to end, and training can stall. Give "
+                "the nodes more of it (an autoscaler may still add nodes), or lower data.tokenize.num_cpus or "
+                "data.tokenize.resources.", len(tokenized), "; ".join(short))
 
     def open(self, i: int, state: SourceState) -> tuple[Iterator[Chunk], dict[int, int]]:
         """Chunks of source ``i`` from ``state.point``, and its files' read positions."""

@@ -7,7 +7,8 @@ Run as a child process (it starts its own Ray)::
 Nodes (``ray.cluster_utils.Cluster``, every raylet on 127.0.0.1, each its own node to Ray):
 
     head        the driver and Ray Train's controller; CPU for read tasks
-    cpu         {cpu_node: 1}: the tokenizer actors (data.tokenize.resources)
+    cpu         {cpu_node: 2}: the tokenizer actors (data.tokenize.resources {cpu_node: 1}), one per mixed source:
+                the two sources stream side by side, so both pools must fit at once
     train-a/b   {train_node: 1} each: one training worker per node (scaling.resources_per_worker)
 
 Scenarios:
@@ -42,7 +43,7 @@ from pipelines.ray_local import LOOPBACK, keep_on_loopback  # noqa: E402
 
 # Node deaths are noticed within ~3 s instead of Ray's default ~30 s.
 HEALTH = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000, "health_check_failure_threshold": 3}
-CPU_NODE = {"num_cpus": 1, "resources": {"cpu_node": 1}}
+CPU_NODE = {"num_cpus": 1, "resources": {"cpu_node": 2}}  # one slot per mixed source's tokenizer pool
 TRAIN_NODE = {"num_cpus": 1, "resources": {"train_node": 1}}
 
 

@@ -262,8 +262,11 @@ def placement_problems(cfg: Config, groups: list[NodeGroup]) -> list[str]:
     trainer_request = dict(
         cfg.scaling.resources_per_worker or {"CPU": 1.0, "GPU": float(cfg.scaling.use_gpu)}
     )
+    # A mix streams its sources side by side, one tokenizer pool each (pipelines.feeder.StreamPlan).
+    streams = len(cfg.data.datasets) if cfg.data.mix_by != "none" else 1
     pools = {
-        "tokenizer": ({"CPU": tok.num_cpus, **tok.resources}, tok.num_actors),
+        "tokenizer": ({"CPU": tok.num_cpus, **tok.resources},
+                      tok.num_actors * streams if isinstance(tok.num_actors, int) else tok.num_actors),
         "trainer": (trainer_request, cfg.scaling.num_workers),
     }
     hosts: dict[str, set[str]] = {}
@@ -692,6 +695,10 @@ def test_placement_check_catches_misplacement() -> None:
     greedy = cfg.model_copy(deep=True)
     greedy.scaling.num_workers = 9
     assert any("9 trainers" in p for p in placement_problems(greedy, groups))
+    mixed = cfg.model_copy(deep=True)  # two mixed sources: two pools of num_actors each
+    mixed.data.datasets = [mixed.data.datasets[0], mixed.data.datasets[0].model_copy(update={"weight": 0.5})]
+    assert placement_problems(cfg, groups) == []
+    assert any(f"{2 * cfg.data.tokenize.num_actors} tokenizers" in p for p in placement_problems(mixed, groups))
 
 
 def test_rayjob_custom_resources_parse() -> None:

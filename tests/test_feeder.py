@@ -102,3 +102,36 @@ def test_restore_forgets_uncommitted_steps_in_the_ledger(tmp_path, ray_local):
     restored = start_feeder(cfg, 2, 3, state, root)  # restore from step 10
     ray.get(restored.report.remote())  # returns once the feeder is up (it trims the ledger first)
     assert [e.step for e in Ledger(pafs.LocalFileSystem(), root).entries()] == list(range(1, 11))
+
+
+def test_pools_short_counts_every_mixed_source_at_its_smallest_pool():
+    from pipelines.config import TokenizeConfig
+    from pipelines.dataset import tokenizer_pools_short
+
+    pinned = TokenizeConfig(num_actors=1, num_cpus=0.25, resources={"cpu_node": 1})
+    # two sources, one cpu_node slot: the second pool can never start (tests/test_node_loss.py's old cluster)
+    assert tokenizer_pools_short(pinned, 2, {"CPU": 4, "cpu_node": 1}) == ["cpu_node: 2 needed, 1 in the cluster"]
+    assert tokenizer_pools_short(pinned, 2, {"CPU": 4, "cpu_node": 2}) == []
+    # no node advertises the resource yet (an autoscaler may add one): 0 in the cluster
+    assert tokenizer_pools_short(pinned, 1, {"CPU": 4}) == ["cpu_node: 1 needed, 0 in the cluster"]
+    # fixed pools of 3 actors x 1 CPU, 2 sources: 6 CPUs; auto pools start at one actor each
+    fixed = TokenizeConfig(num_actors=3, num_cpus=1.0)
+    assert tokenizer_pools_short(fixed, 2, {"CPU": 4}) == ["CPU: 6 needed, 4 in the cluster"]
+    assert tokenizer_pools_short(TokenizeConfig(num_cpus=1.0), 2, {"CPU": 4}) == []
+
+
+def test_feeder_warns_when_the_cluster_cannot_start_every_mixed_pool(tmp_path, ray_local, caplog):
+    from pipelines.feeder import StreamPlan
+
+    paths = [write_jsonl(tmp_path / f"{name}.jsonl", [{"text": f"{name} {i}"} for i in range(5)])
+             for name in ("a", "b")]
+    datasets = [{"path": str(p), "type": "completion", "weight": 1.0} for p in paths]
+    pinned = {"num_actors": 1, "num_cpus": 0.25, "resources": {"cpu_node": 1}}
+    with caplog.at_level("WARNING", logger="pipelines.feeder"):
+        StreamPlan(make_config(datasets, tokenize=pinned), "train")
+    assert "2 mixed sources" in caplog.text and "cpu_node: 2 needed, 0 in the cluster" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipelines.feeder"):
+        StreamPlan(make_config(datasets, tokenize={"num_actors": 1, "num_cpus": 0.25}), "train")  # 0.5 of 2 CPUs
+        StreamPlan(make_config(datasets[:1], tokenize=pinned), "train")  # one source: placement is Ray's to report
+    assert "mixed sources" not in caplog.text

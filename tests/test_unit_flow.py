@@ -173,9 +173,10 @@ def test_read_concurrency_follows_the_tokenizer_pool():
     def cfg(**data):
         return make_config([{"path": "unused.jsonl", "type": "alpaca"}], **data)
 
-    # the default: Ray's own cap (as many as the CPUs allow)
-    assert read_concurrency(cfg(tokenize={"num_actors": 1}), token_ids=False) is None
-    # auto: one read task per tokenizer actor of the pool at its largest
+    # null: Ray's own cap (as many as the CPUs allow)
+    assert read_concurrency(cfg(tokenize={"num_actors": 1}, read_concurrency=None), token_ids=False) is None
+    # auto, the default: one read task per tokenizer actor of the pool at its largest
+    assert read_concurrency(cfg(tokenize={"num_actors": 2}), token_ids=False) == 2
     auto = {"read_concurrency": "auto"}
     assert read_concurrency(cfg(tokenize={"num_actors": 1}, **auto), token_ids=False) == 1
     assert read_concurrency(cfg(tokenize={"num_actors": 3}, **auto), token_ids=False) == 3
