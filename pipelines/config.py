@@ -202,7 +202,8 @@ class TokenizeConfig(_Strict):
         "of the pool at its largest, e.g. 2 on a 2-CPU machine (1 actor), 1 on a 16-CPU node (15 actors)."
     )
     resources: dict[str, float] = Field(
-        default_factory=dict, description="Extra Ray resources per actor, e.g. {cpu_node: 1} to pin to CPU nodes."
+        default_factory=dict, description="Extra Ray resources per actor, e.g. {cpu_node: 1} to pin to CPU nodes. "
+        "A mix of N sources runs N pools at once, so the nodes must hold N x num_actors (auto: N) of them."
     )
 
     @field_validator("num_actors", "threads")

@@ -244,8 +244,8 @@ class StreamPlan:
             logger.warning(
                 "%d mixed sources stream side by side, one tokenizer pool each, but the cluster cannot start them "
                 "all (%s): a pool that cannot start waits for another stream to end, and training can stall. Give "
-                "the nodes more of it (an autoscaler may still add nodes), or lower data.tokenize.num_cpus or "
-                "data.tokenize.resources.", len(tokenized), "; ".join(short))
+                "the nodes more of what is short (an autoscaler may still add nodes), or lower "
+                "data.tokenize.num_cpus or data.tokenize.resources.", len(tokenized), "; ".join(short))
 
     def open(self, i: int, state: SourceState) -> tuple[Iterator[Chunk], dict[int, int]]:
         """Chunks of source ``i`` from ``state.point``, and its files' read positions."""
