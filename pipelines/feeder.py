@@ -53,7 +53,7 @@ from pipelines.mixing import Chunk, Mixer, Picked, fresh_states
 from pipelines.resume import DataState, Ledger, LedgerEntry, SourceState
 from pipelines.sources import resolve_sources
 from pipelines.storage import StorageOptions, filesystem_for
-from pipelines.units import file_positions
+from pipelines.units import dataset_files, file_positions
 
 __all__ = ["DataFeeder", "Feeder", "FeederClient", "RankItem", "RowSlice", "block_nodes", "feeder_concurrency",
            "fetch_rows", "list_rows", "start_feeder"]
@@ -235,8 +235,7 @@ class StreamPlan:
 
     def _check_pools(self) -> None:
         """Warn when the cluster cannot start one tokenizer pool per mixed source at once."""
-        tokenized = [g for g in self.groups if not all_pretokenized(
-            self.table, [f.source_index for f in self.table.files if g is None or f.dataset_index in g])]
+        tokenized = [g for g in self.groups if not all_pretokenized(self.table, dataset_files(self.table, g))]
         if len(tokenized) < 2 or not ray.is_initialized():
             return
         short = tokenizer_pools_short(self.cfg.data.tokenize, len(tokenized), ray.cluster_resources())

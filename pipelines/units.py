@@ -207,9 +207,14 @@ def point_after(row: Mapping[str, Any], file_pos_of: Mapping[int, int], epoch: i
     return ResumePoint(epoch, file_pos, row["unit_end_row"], row["unit_end_byte"], 0)
 
 
+def dataset_files(table: SourceTable, datasets: list[int] | None = None) -> list[int]:
+    """Indices into ``table.files`` of the ``data.datasets`` entries ``datasets`` (all: ``None``), in table order."""
+    return [f.source_index for f in table.files if datasets is None or f.dataset_index in datasets]
+
+
 def ordered_files(table: SourceTable, seed: int, epoch: int, datasets: list[int] | None = None) -> list[int]:
     """Indices into ``table.files`` in the epoch's read order, optionally only some dataset entries."""
-    chosen = [f.source_index for f in table.files if datasets is None or f.dataset_index in datasets]
+    chosen = dataset_files(table, datasets)
     return [chosen[i] for i in file_order(len(chosen), seed, epoch)]
 
 
