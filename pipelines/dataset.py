@@ -126,7 +126,14 @@ def read_concurrency(cfg: Config, token_ids: bool, cpus: float | None = None) ->
 
 def tokenizer_env(threads: int) -> dict[str, str]:
     """Environment of the tokenizer actors: bounded Rust threads, and transformers without torch
-    (``USE_TORCH=0``: importing torch costs seconds and ~1 GB per actor, and tokenizing never needs it)."""
+    (``USE_TORCH=0``: importing torch costs seconds and ~1 GB per actor, and tokenizing never needs it).
+
+    The actors set it in their constructor (``Tokenizer(env=...)``), before anything loads, rather than
+    through a ``runtime_env``: an actor with an environment of its own needs a new worker process, started
+    through Ray's runtime-env agent, while one without can take an idle worker that is already up. On the
+    B2 data (2 CPUs) the first packed row came a little sooner: median 3.68 s against 3.82 s after the
+    build (``benchmarks/ray_floors.py``, BENCHMARKS.md).
+    """
     return {"RAYON_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "true" if threads > 1 else "false",
             "USE_TORCH": "0"}
 
@@ -164,8 +171,8 @@ class TokenizeAndPack:
     """The tokenizer actors' callable in :func:`build_dataset`: blocks of whole units -> packed rows."""
 
     def __init__(self, data: DataConfig, model: ModelConfig, table: SourceTable, sink: StatsSink, threads: int,
-                 pack: PackOptions) -> None:
-        self.tokenizer = Tokenizer(data, model, table, sink, threads)
+                 pack: PackOptions, env: Mapping[str, str] | None = None) -> None:
+        self.tokenizer = Tokenizer(data, model, table, sink, threads, env)
         self.packer = Packer(pack, sink, table)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -240,6 +247,7 @@ def tokenizer_stage(ds: ray.data.Dataset, cfg: Config, table: SourceTable, sink:
     tok = cfg.data.tokenize
     pool = tokenizer_pool_size(tok)
     kwargs["threads"] = threads = tokenizer_threads(tok, pool[1])
+    kwargs["env"] = tokenizer_env(threads)
     if pack is not None:
         kwargs["pack"] = pack
     return ds.map_batches(
@@ -250,7 +258,6 @@ def tokenizer_stage(ds: ray.data.Dataset, cfg: Config, table: SourceTable, sink:
         compute=ray.data.ActorPoolStrategy(min_size=pool[0], max_size=pool[1]),
         num_cpus=tok.num_cpus,
         resources=tok.resources or None,
-        runtime_env={"env_vars": tokenizer_env(threads)},
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,10 +83,15 @@ class Tokenizer:
     Records that already hold ``input_ids`` (pre-tokenized MDS such as llm-foundry's concat-tokens
     layout or ``ray_jobs/convert.py --tokenize`` output) skip formatting and tokenization.
 
-    Constructor arguments are small: configs, the file table (for error locations) and the stats sink.
+    Constructor arguments are small: configs, the file table (for error locations) and the stats sink;
+    ``env`` (the actors': :func:`pipelines.dataset.tokenizer_env`) is set in the process before anything
+    loads, replacing what it inherited. Without it, the thread settings are only defaults.
     """
 
-    def __init__(self, data: DataConfig, model: ModelConfig, table: SourceTable, sink: StatsSink, threads: int = 1):
+    def __init__(self, data: DataConfig, model: ModelConfig, table: SourceTable, sink: StatsSink, threads: int = 1,
+                 env: Mapping[str, str] | None = None):
+        if env is not None:  # an actor's own process (see pipelines.dataset.tokenizer_stage): set, before any load
+            os.environ.update(env)
         os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "true" if threads > 1 else "false")
         self.data, self.model, self.table, self.sink = data, model, table, sink

@@ -7,6 +7,7 @@ data in ../shared/data; without them it skips with the reason.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -124,8 +125,6 @@ def test_quick_feeder_scale_delivers_every_token_to_the_ranks(quick_run):
 
 
 def _load_run_module():
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("bench_run", ROOT / "benchmarks" / "run.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -172,8 +171,6 @@ def test_b6_b7_target_rows_come_from_the_result_line():
 def test_b4_split_share_is_measured_from_the_rows(monkeypatch):
     """B4's split column counts samples found in several rows: concat splits here, bfd and first-fit do not,
     and a packer that did split would be reported (the column is not a constant)."""
-    import importlib.util
-
     import numpy as np
 
     from pipelines.packing import Samples
@@ -204,3 +201,40 @@ def test_b4_split_share_is_measured_from_the_rows(monkeypatch):
 
     monkeypatch.setattr(packing, "pack_samples", splitting)
     assert {r["strategy"]: r for r in pb.measure(s, 64)}[pb.BFD_DEFAULT]["split_share"] > 0
+
+
+def _ray_floors():
+    spec = importlib.util.spec_from_file_location("ray_floors", ROOT / "benchmarks" / "ray_floors.py")
+    rf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rf)
+    return rf
+
+
+def test_ray_floors_child_times_a_first_block():
+    """One case of benchmarks/ray_floors.py as its full run starts it: a child with a fresh Ray."""
+    res = _ray_floors()._child("ready", None)
+    assert "error" not in res, res.get("error")
+    assert res["init_s"] > 0 and 0 < res["first_after_build_s"] < 60
+    assert abs(res["first_s"] - res["build_s"] - res["first_after_build_s"]) < 1e-6
+
+
+@needs_shared
+def test_ray_floors_old_env_case_gives_the_pool_a_runtime_env(ray_local, tmp_path):
+    """The comparison case really builds the tokenizer pool the old way (a ``runtime_env``)."""
+    import ray
+    from conftest import ALPACA, make_config, write_jsonl
+    from ray.data._internal.logical.operators.map_operator import MapBatches
+
+    from pipelines.dataset import build_dataset, tokenizer_env
+
+    path = write_jsonl(tmp_path / "a.jsonl", json.loads(ALPACA.read_text(encoding="utf-8"))[:20])
+    cfg = make_config([{"path": str(path), "type": "alpaca"}], tokenize={"num_actors": 1, "threads": 1})
+    original = ray.data.Dataset.map_batches
+    try:
+        _ray_floors()._env_as_runtime_env()
+        op = build_dataset(cfg)._logical_plan.dag
+    finally:
+        ray.data.Dataset.map_batches = original
+    while not isinstance(op, MapBatches):
+        (op,) = op.input_dependencies
+    assert op.ray_remote_args["runtime_env"] == {"env_vars": tokenizer_env(1)}

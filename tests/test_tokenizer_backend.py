@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ALPACA, GPT2, SMOLLM2, needs_shared
+from conftest import ALPACA, GPT2, SMOLLM2, make_config, needs_shared, write_jsonl
 
 from pipelines.config import ModelConfig
 from pipelines.tokenizer import load_backend, load_tokenizer
@@ -66,3 +66,52 @@ print(sorted(m for m in ("transformers", "torch") if m in sys.modules))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+@needs_shared
+def test_actor_env_is_set_in_the_constructor_before_anything_loads(tmp_path):
+    """The tokenizer actors get their environment as a constructor argument, not a ``runtime_env``: it
+    replaces what the process inherited (an idle worker has the driver's environment) and is in place
+    before the chat template's transformers tokenizer loads, so ``USE_TORCH=0`` keeps torch out."""
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                               {"role": "assistant", "content": "hello"}]}])
+    code = f"""
+import os, sys
+os.environ.update(RAYON_NUM_THREADS="7", TOKENIZERS_PARALLELISM="true")
+os.environ.pop("USE_TORCH", None)
+from pipelines.config import config_from_dict
+from pipelines.dataset import tokenizer_env
+from pipelines.sources import resolve_sources
+from pipelines.stats import StatsSink
+from pipelines.tokenize import Tokenizer
+cfg = config_from_dict({{"model": {{"tokenizer": "{SMOLLM2}", "init": {{}}}},
+                         "data": {{"datasets": [{{"path": "{data}", "type": "chat_template"}}]}}}}, base_dir=".")
+tok = Tokenizer(cfg.data, cfg.model, resolve_sources(cfg), StatsSink(), 1, tokenizer_env(1))
+assert tok.hf is not None
+print(os.environ["RAYON_NUM_THREADS"], os.environ["TOKENIZERS_PARALLELISM"], os.environ["USE_TORCH"],
+      "transformers" in sys.modules, "torch" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "1 false 0 True False"
+
+
+@needs_shared
+def test_tokenizer_pool_has_no_runtime_env(ray_local, tmp_path):
+    """No ``runtime_env`` on the tokenizer pool (a worker with an environment of its own cannot be an idle,
+    already started one; see ``tokenizer_env``); the environment travels in the constructor's arguments."""
+    from ray.data._internal.logical.operators.map_operator import MapBatches
+
+    from pipelines.dataset import build_dataset, tokenizer_env
+
+    path = write_jsonl(tmp_path / "a.jsonl", json.loads(ALPACA.read_text(encoding="utf-8"))[:20])
+    cfg = make_config([{"path": str(path), "type": "alpaca"}], tokenize={"num_actors": 1, "threads": 2})
+    ops, maps = [build_dataset(cfg)._logical_plan.dag], []
+    while ops:
+        op = ops.pop()
+        maps += [op] if isinstance(op, MapBatches) else []
+        ops.extend(op.input_dependencies)
+    assert len(maps) == 1
+    assert "runtime_env" not in maps[0].ray_remote_args
+    assert maps[0].fn_constructor_kwargs["env"] == tokenizer_env(2) == {
+        "RAYON_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "true", "USE_TORCH": "0"}
