@@ -621,7 +621,9 @@ def notes(ctx: dict[str, Any]) -> list[str]:
     out = ["Notes from this run:", ""]
     if ours.get("ttfb_s") is not None:
         out.append(f"- ours' first row came {ours['ttfb_s']:.2f} s after `ray.init` ({ours['init_s']:.2f} s). It needs the "
-                   "tokenizer actor started (a new worker process that imports transformers and loads the tokenizer) and "
+                   "tokenizer actor started (a worker process that imports `ray.data` and the pipeline, then loads the "
+                   "tokenizer: the Rust one for these Alpaca records; `benchmarks/ray_floors.py` measures Ray Data's own "
+                   "share) and "
                    "the stream's first unit (256 kB of records, `FIRST_UNIT_BYTES`; a read task of its own) read, "
                    "tokenized and packed. The consumer iterates with `prefetch_batches=0`, as the feeder reads blocks as they "
                    "come; Ray's prefetching window with `batch_size=None` would hold each block until the next one arrives. Ray Data's per-operator times of each run are in results.json (`ray_data_stats`); "
