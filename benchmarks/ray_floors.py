@@ -9,7 +9,8 @@ None of the first four does any pipeline work, so what they measure is Ray and R
 
 * ``ready``: ``ray.data.from_blocks([table])``: a block that already exists, no task, no actor;
 * ``ready + actor pool``: the same block in a union with a 1-actor pool stage (as ``build_dataset``'s
-  plan has its tokenizer pool), whose actor's start the executor waits on;
+  plan has its tokenizer pool): Ray Data's scheduling loop waits on the start of its own actor-location
+  tracker actor before it hands the ready block on (BENCHMARKS.md, B2 first row);
 * ``read task``: a one-task read that returns the same table (a read worker starts and imports
   ``ray.data``): the floor of the pre-tokenized MDS path, whose check and packing run in read tasks;
 * ``read task -> actor pool``: that read, then an actor that returns its input (an identity
