@@ -223,7 +223,13 @@ class LedgerEntry:
 
 
 class Ledger:
-    """Append-only per-epoch files of committed steps, object-store friendly (one file per flush)."""
+    """Append-only per-epoch files of committed steps, object-store friendly (one file per flush).
+
+    Written ahead of the checkpoint: a checkpoint's steps go in when its data state is taken
+    (``Feeder.commit``), before the checkpoint itself is saved. A run that dies in between leaves them
+    here with no saved checkpoint covering them; the next run restores an earlier checkpoint and drops
+    them (:meth:`truncate_after`) before it trains them again, so each sample is still recorded once.
+    """
 
     def __init__(self, fs: pafs.FileSystem, root: str) -> None:
         self.fs, self.root = fs, root.rstrip("/")
