@@ -105,7 +105,7 @@ def run_case(case: str, data_dir: str | None) -> dict[str, float]:
 
         cfg = config_from_dict({"model": {"tokenizer": str(GPT2)},
                                 "data": {"datasets": [{"path": data_dir, "format": "jsonl", "type": "alpaca"}]}})
-    table = _table()
+    table = _table() if not case.startswith("build_dataset") else None
     t1 = time.perf_counter()
     if case == "ready":
         ds = ray.data.from_blocks([table])
@@ -142,7 +142,10 @@ def _env_as_runtime_env() -> None:
 
 
 def _child(case: str, data_dir: str | None) -> dict[str, Any]:
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONWARNINGS": "ignore",
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from benchlib import CHILD_ENV  # the environment every benchmark child gets
+
+    env = {**os.environ, **CHILD_ENV,
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, __file__, "--child", case, data_dir or ""], capture_output=True, text=True,
                          env=env, timeout=300, cwd=ROOT)
