@@ -1,6 +1,6 @@
 """MDS read and conversion benchmark: ``build_dataset`` vs mosaic's own loader, local disk and S3.
 
-    python benchmarks/mds_read.py            # >= 50 MB of real text (uncompressed), zstd shards
+    python benchmarks/mds_read.py            # reads: >= 50 MB of real text (uncompressed); convert: >= 200 MB
     python benchmarks/mds_read.py --quick    # ~2 MB: a smoke run of every measurement
 
 Data: the Alpaca and LIMA records of ../shared/data (alpaca format), replicated to the target size,
@@ -19,7 +19,9 @@ process (``--child NAME``) so imports, ``ray.init`` and memory never leak betwee
 * ``convert``: ``ray_jobs/convert.py --tokenize`` (2 write tasks) JSONL -> tokenized MDS, vs
   ``tokenize_loop``: one process reading the same JSONL, formatting each record with the same
   template, tokenizing in batches of 1,000 (the fast tokenizer, 2 threads, loaded before the clock)
-  and writing ``input_ids`` with ``MDSWriter`` (no label masks: less work than ours).
+  and writing ``input_ids`` with ``MDSWriter`` (no label masks: less work than ours). Both convert
+  their own, larger JSONL set (``--convert-mb``, 200 MB: issue 10 asks for the largest corpus this
+  machine holds comfortably, so that neither side's fixed costs decide).
 
 Ratios > 1 mean ours is faster. Every system sees the same cores.
 """
@@ -64,22 +66,42 @@ def records() -> list[dict[str, Any]]:
     return out
 
 
+def replicated(target_mb: float) -> tuple[list[dict[str, Any]], int]:
+    """The records repeated until their JSON takes ``target_mb`` MB; and how many copies that is."""
+    base = records()
+    one = sum(len(json.dumps(r)) for r in base)
+    copies = max(1, int(target_mb * 1e6 / one + 0.999))
+    return [r for _ in range(copies) for r in base], copies
+
+
+def write_jsonl(out: Path, rows: list[dict[str, Any]], files: int) -> None:
+    """``rows`` as ``files`` JSONL files of about equal length."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    per = -(-len(rows) // files)
+    for k in range(files):
+        part = rows[k * per : (k + 1) * per]
+        (out / f"part-{k:03d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+
+
+def prepare_convert(work: Path, target_mb: float, files: int) -> dict[str, Any]:
+    """The conversion case's own JSONL (larger than the read cases': the issue asks for the largest
+    corpus this machine holds comfortably, ~200 MB, so the fixed costs of either side do not decide)."""
+    rows, copies = replicated(target_mb)
+    out = work / "jsonl_convert"
+    write_jsonl(out, rows, files)
+    return {"convert_samples": len(rows), "convert_copies": copies,
+            "convert_mb": sum(f.stat().st_size for f in out.glob("*.jsonl")) / 1e6}
+
+
 def prepare(work: Path, target_mb: float, shard_bytes: int, files: int) -> dict[str, Any]:
     """JSONL files and zstd MDS shards of the records replicated to ``target_mb`` (uncompressed)."""
     from streaming import MDSWriter
 
-    base = records()
-    one = sum(len(json.dumps(r)) for r in base)
-    copies = max(1, int(target_mb * 1e6 / one + 0.999))
-    rows = [r for _ in range(copies) for r in base]
-    jsonl = work / "jsonl"
+    rows, copies = replicated(target_mb)
     mds = work / "mds"
     shutil.rmtree(work, ignore_errors=True)
-    jsonl.mkdir(parents=True)
-    per = -(-len(rows) // files)
-    for k in range(files):
-        part = rows[k * per : (k + 1) * per]
-        (jsonl / f"part-{k:03d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    write_jsonl(work / "jsonl", rows, files)
     with MDSWriter(out=str(mds), columns=COLUMNS, compression="zstd", hashes=["xxh64"], size_limit=shard_bytes) as w:
         for r in rows:
             w.write(r)
@@ -340,7 +362,8 @@ def _child_once(name: str, params: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny data (~2 MB): check every measurement runs")
-    ap.add_argument("--mb", type=float, default=50.0, help="uncompressed size of the data")
+    ap.add_argument("--mb", type=float, default=50.0, help="uncompressed size of the data the reads use")
+    ap.add_argument("--convert-mb", type=float, default=200.0, help="size of the JSONL the conversion case uses")
     ap.add_argument("--repeats", type=int, help="runs per system, median reported (default 3, quick 1)")
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "pipelines-mds-bench"))
     ap.add_argument("--child", nargs=2, metavar=("NAME", "JSON"), help=argparse.SUPPRESS)
@@ -349,13 +372,16 @@ def main(argv: list[str] | None = None) -> int:
         print(TAG + json.dumps(SYSTEMS[args.child[0]](json.loads(args.child[1]))), flush=True)
         return 0
     os.environ.update(ENV)
-    mb, shard_bytes, files = (2.0, 1 << 18, 4) if args.quick else (args.mb, 1 << 22, 16)
+    mb, convert_mb, shard_bytes, files = (2.0, 2.0, 1 << 18, 4) if args.quick else (args.mb, args.convert_mb, 1 << 22, 16)
     reps = args.repeats or (1 if args.quick else 3)
     work = Path(args.work)
     data = prepare(work, mb, shard_bytes, files)
     data.update(prepare_tokens(work, shard_bytes))
+    data.update(prepare_convert(work, convert_mb, files))
     print(f"data: {data['samples']} samples ({data['copies']} copies of Alpaca+LIMA), {data['raw_mb']:.1f} MB "
           f"uncompressed, {data['zstd_mb']:.1f} MB zstd in {data['shards']} shards; {files} JSONL files", flush=True)
+    print(f"convert data: {data['convert_samples']} samples ({data['convert_copies']} copies), "
+          f"{data['convert_mb']:.1f} MB of JSONL in {files} files", flush=True)
     moto, endpoint = start_moto()
     try:
         remote = upload(work / "mds", endpoint, f"{BUCKET}/mds")
@@ -370,9 +396,9 @@ def main(argv: list[str] | None = None) -> int:
             "ours_tok_s3": child("ours", {"path": remote_tok, "endpoint": endpoint, "tokens": True}, reps),
             "mosaic_tok_s3": child("mosaic", {"local": str(work / "cache-tok-s3"), "remote": remote_tok,
                                               "endpoint": endpoint, "tokens": True}, reps),
-            "convert": child("convert", {"jsonl": str(work / "jsonl"), "out": str(work / "converted"),
+            "convert": child("convert", {"jsonl": str(work / "jsonl_convert"), "out": str(work / "converted"),
                                          "shard_bytes": shard_bytes}, reps),
-            "tokenize_loop": child("tokenize_loop", {"jsonl": str(work / "jsonl"), "out": str(work / "tokenize_loop"),
+            "tokenize_loop": child("tokenize_loop", {"jsonl": str(work / "jsonl_convert"), "out": str(work / "tokenize_loop"),
                                                      "shard_bytes": shard_bytes}, reps),
         }
     finally:

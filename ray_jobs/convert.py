@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import init_ray  # noqa: E402  (join or start Ray, as the other job scripts do)
 
 TOKENIZED_COLUMNS = {"input_ids": "ndarray:int32", "labels": "ndarray:int32", "source_sample_id": "int64"}
+WORKER_CPUS = 0.25  # read, filter and write tasks: small, so they run beside the tokenizer actors
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -119,18 +122,46 @@ def parse_columns(items: list[str]) -> dict[str, str]:
     return out
 
 
-def choose_columns(table: SourceTable, opts: Any, n: int, given: dict[str, str]) -> dict[str, str]:
-    """Encodings from the first ``n`` records of the first file(s), overridden by ``given``."""
+def first_records(table: SourceTable, opts: Any, n: int) -> list[str]:
+    """The first ``n`` records of the first file, as the JSON strings the read stage makes of them."""
     from itertools import islice
 
     from pipelines.datasource import read_all_records
-    from pipelines.mds_sink import infer_columns
 
     first = SourceTable(table.files[:1], table.datasets, table.storage)
-    records = [json.loads(rec) for _, rec in islice(read_all_records(first, opts), n)]
+    return [rec for _, rec in islice(read_all_records(first, opts), n)]
+
+
+def choose_columns(table: SourceTable, records: list[str], given: dict[str, str]) -> dict[str, str]:
+    """Encodings from the first records (:func:`first_records`), overridden by ``given``."""
+    from pipelines.mds_sink import infer_columns
+
     if not records:
         raise SourceError(f"{table.files[0].url}: no records to choose column encodings from")
-    return {**infer_columns(records), **given}
+    return {**infer_columns(json.loads(rec) for rec in records), **given}
+
+
+def rows_per_part(records: list[str], size_limit: int, unit_records: int | None = None) -> int | None:
+    """Rows a write task takes at least (the sink's ``min_rows_per_write``): two shards of input bytes,
+    by the mean size of the first records; ``None`` without records.
+
+    Blocks leave the reads, and the tokenizer, every ``READ_BLOCK_BYTES`` (4 MB), so the writes run beside
+    them. Without this floor every block would be a part of its own, whose shard stays far under
+    ``--size-limit``; with it a part holds about two shards of raw records, about four tokenized
+    (``input_ids`` + ``labels``, 8 bytes a token, is about twice the text). Raw mode's blocks hold one
+    row per read unit of up to ``unit_records`` records (the sink splits them), so the floor counts units.
+    Example: records of 1,800 bytes, ``--size-limit 64mb`` -> 74,566 rows a part (``4mb``: 4,661); in
+    units of 4,096 records, 19.
+    """
+    from pipelines.datasource import MAX_UNIT_BYTES
+
+    if not records:
+        return None
+    mean = sum(len(rec.encode("utf-8")) for rec in records) / len(records)
+    rows = math.ceil(2 * size_limit / mean)
+    if unit_records:
+        rows = math.ceil(rows / min(unit_records, max(1, int(MAX_UNIT_BYTES // mean))))
+    return max(1, rows)
 
 
 def _keep_tokenized(batch: pa.Table) -> pa.Table:
@@ -170,8 +201,9 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
 
     from pipelines.dataset import read_concurrency, tokenizer_stage
     from pipelines.datasource import ReadOptions, ShardDatasource
-    from pipelines.mds_sink import MDSDatasink
+    from pipelines.mds_sink import MDSDatasink, parse_size
     from pipelines.stats import StatsSink, format_report, new_stats_actor
+    from pipelines.units import READ_BLOCK_BYTES
 
     t0 = time.perf_counter()
     cfg = load_config(args.config, args.overrides) if args.config else None
@@ -189,22 +221,32 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
     tasks = args.write_tasks or max(1, int(ray.cluster_resources().get("CPU", 1)))
     order = list(range(len(table.files)))
     source = ShardDatasource(table, order, read_opts, StatsSink())
-    ds = ray.data.read_datasource(source, override_num_blocks=max(1, min(len(order), tasks)), num_cpus=0.25,
+    ds = ray.data.read_datasource(source, override_num_blocks=max(1, min(len(order), tasks)), num_cpus=WORKER_CPUS,
                                   concurrency=read_concurrency(cfg, token_ids=False) if args.tokenize else None)
     ds.context.execution_options.preserve_order = True
+    # Units leave the read tasks as they are read (Ray's default would hold a task's blocks up to 128 MB:
+    # the tokenizer would wait for whole read tasks, and the writes for the whole tokenizer stage).
+    ds.context.target_max_block_size = READ_BLOCK_BYTES
+    sample = first_records(table, read_opts, args.sample_records)
     common = {"compression": compression, "hashes": hashes, "size_limit": args.size_limit, "storage": opts,
-              "overwrite": args.overwrite}
+              "overwrite": args.overwrite, "min_rows_per_write": rows_per_part(sample, parse_size(args.size_limit),
+                                                  None if args.tokenize else read_opts.unit_size)}
     if args.tokenize:
         assert cfg is not None
         sink_stats = StatsSink(new_stats_actor())
         ds = tokenizer_stage(ds, cfg, table, sink_stats)
-        ds = ds.map_batches(_keep_tokenized, batch_size=None, batch_format="pyarrow", num_cpus=0.25)
+        ds = ds.map_batches(_keep_tokenized, batch_size=None, batch_format="pyarrow", num_cpus=WORKER_CPUS)
         meta = json.dumps(tokenized_meta(cfg, table), indent=1).encode("utf-8")
         sink = MDSDatasink(args.output, TOKENIZED_COLUMNS, extra_files={"tokenized.json": meta}, **common)
     else:
-        columns = choose_columns(table, read_opts, args.sample_records, parse_columns(args.columns))
+        columns = choose_columns(table, sample, parse_columns(args.columns))
         sink = MDSDatasink(args.output, columns, record_column="record", locate=table.where, **common)
-    ds.write_datasink(sink)
+    # Write tasks as small as the reads (Ray's default, 1 CPU, waits for the tokenizer actor's CPU: the
+    # writes would only start when tokenizing is over), at most --write-tasks at a time. An input of
+    # fewer parts than that is not a mistake, so Ray's warning about it is not shown.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The maximum number of concurrent tasks for 'Write'")
+        ds.write_datasink(sink, ray_remote_args={"num_cpus": WORKER_CPUS}, concurrency=tasks)
     result = {**sink.written, "seconds": round(time.perf_counter() - t0, 2), "output": args.output,
               "mode": "tokenize" if args.tokenize else "raw"}
     if args.tokenize:

@@ -14,9 +14,9 @@ Nodes (``ray.cluster_utils.Cluster``, every raylet on 127.0.0.1, each its own no
 Scenarios:
 
 * ``recover``: once the second checkpoint is saved (and in the ledger), kill (SIGKILL of all its processes)
-  the training node that holds rank 0 and the data feeder; once the restored run has committed
-  started the tokenizer actors of its new stream, kill the CPU node. After each kill a fresh node with the same resources joins, as a
-  cluster autoscaler would replace it. ``run.max_failures=3``.
+  the training node that holds rank 0 and the data feeder; once the restored run has started the
+  tokenizer actors of its new stream, kill the CPU node. After each kill a fresh node with the same
+  resources joins, as a cluster autoscaler would replace it. ``run.max_failures=3``.
 * ``fail``: the same first kill with ``run.max_failures=0``: the fit fails.
 
 Prints one ``NODE_LOSS {...}`` JSON line: what was killed, the fit's outcome and error.

@@ -384,6 +384,39 @@ def test_convert_tokenize_once_then_train_from_it(ray_local, tmp_path, alpaca, c
         build_dataset(other)
 
 
+def test_convert_streams_into_parts_of_whole_shards_in_source_order(ray_local, tmp_path, alpaca, capsys, monkeypatch):
+    """Blocks of READ_BLOCK_BYTES flow from the tokenizer to the writes as they are made; each write
+    task takes at least ``rows_per_part`` rows, and the parts keep the source order."""
+    import pipelines.units
+
+    convert = load_ray_job("convert")
+    # Small blocks, so the 999 Alpaca records make many (the tokenizer's output is cut at this size).
+    monkeypatch.setattr(pipelines.units, "READ_BLOCK_BYTES", 64 << 10)
+    config = _write_config(tmp_path / "gpt2.yaml", ALPACA, GPT2)
+    out = tmp_path / "parts"
+    assert convert.main(["--tokenize", "--config", str(config), "--output", str(out), "--size-limit", "16kb",
+                         "--write-tasks", "2"]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[0])
+    cfg = make_config([{"path": str(ALPACA), "type": "alpaca"}])
+    records = [rec for _, rec in read_all_records(resolve_sources(cfg), _read_opts(cfg))]  # what convert samples
+    floor = convert.rows_per_part(records, 16 << 10)
+    assert 30 < floor < 50  # 2 x 16 kB / ~0.8 kB a record
+    shards = json.loads((out / "index.json").read_text())["shards"]
+    per_part = Counter(s["raw_data"]["basename"].split("/")[0] for s in shards)
+    rows = {part: sum(s["samples"] for s in shards if s["raw_data"]["basename"].startswith(part + "/"))
+            for part in per_part}
+    parts = sorted(rows)
+    assert summary["parts"] == len(parts) >= 5, rows  # not one part per read task: the writes streamed
+    assert all(rows[p] >= floor for p in parts[:-1]), rows  # no part of a lone small block
+    assert sum(rows.values()) == len(alpaca)
+    # In the index order (part by part), the rows are the source records in order.
+    from streaming import StreamingDataset
+
+    sd = StreamingDataset(local=str(out), shuffle=False, batch_size=1)
+    ids = [int(sd[i]["source_sample_id"]) for i in range(sd.num_samples)]
+    assert [split_sample_id(i)[1] for i in ids] == list(range(len(alpaca)))
+
+
 def test_convert_raw_keeps_columns_and_order(ray_local, tmp_path, alpaca, capsys):
     from streaming import StreamingDataset
 
