@@ -45,7 +45,7 @@ if str(REPO_ROOT) not in sys.path:  # `python ray_jobs/convert.py` from a checko
 import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 
-from pipelines.config import Config, ConfigError, DatasetConfig, StorageConfig, load_config  # noqa: E402
+from pipelines.config import Config, ConfigError, DataConfig, DatasetConfig, StorageConfig, load_config  # noqa: E402
 from pipelines.sources import SourceError, SourceFile, SourceTable, resolve_dataset, resolve_sources  # noqa: E402
 from pipelines.storage import StorageError, StorageOptions  # noqa: E402
 
@@ -53,7 +53,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import init_ray  # noqa: E402  (join or start Ray, as the other job scripts do)
 
 TOKENIZED_COLUMNS = {"input_ids": "ndarray:int32", "labels": "ndarray:int32", "source_sample_id": "int64"}
-WORKER_CPUS = 0.25  # read, filter and write tasks: small, so they run beside the tokenizer actors
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -219,9 +218,11 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
     compression = None if args.compression in ("", "none") else args.compression
     hashes = [h for h in args.hashes.split(",") if h and h != "none"]
     tasks = args.write_tasks or max(1, int(ray.cluster_resources().get("CPU", 1)))
+    # Read, filter and write tasks ask data.read_num_cpus (small, so they run beside the tokenizer actors).
+    worker_cpus = cfg.data.read_num_cpus if cfg else DataConfig.model_fields["read_num_cpus"].default
     order = list(range(len(table.files)))
     source = ShardDatasource(table, order, read_opts, StatsSink())
-    ds = ray.data.read_datasource(source, override_num_blocks=max(1, min(len(order), tasks)), num_cpus=WORKER_CPUS,
+    ds = ray.data.read_datasource(source, override_num_blocks=max(1, min(len(order), tasks)), num_cpus=worker_cpus,
                                   concurrency=read_concurrency(cfg, token_ids=False) if args.tokenize else None)
     ds.context.execution_options.preserve_order = True
     # Units leave the read tasks as they are read (Ray's default would hold a task's blocks up to 128 MB:
@@ -235,7 +236,7 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
         assert cfg is not None
         sink_stats = StatsSink(new_stats_actor())
         ds = tokenizer_stage(ds, cfg, table, sink_stats)
-        ds = ds.map_batches(_keep_tokenized, batch_size=None, batch_format="pyarrow", num_cpus=WORKER_CPUS)
+        ds = ds.map_batches(_keep_tokenized, batch_size=None, batch_format="pyarrow", num_cpus=worker_cpus)
         meta = json.dumps(tokenized_meta(cfg, table), indent=1).encode("utf-8")
         sink = MDSDatasink(args.output, TOKENIZED_COLUMNS, extra_files={"tokenized.json": meta}, **common)
     else:
@@ -246,7 +247,7 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
     # fewer parts than that is not a mistake, so Ray's warning about it is not shown.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The maximum number of concurrent tasks for 'Write'")
-        ds.write_datasink(sink, ray_remote_args={"num_cpus": WORKER_CPUS}, concurrency=tasks)
+        ds.write_datasink(sink, ray_remote_args={"num_cpus": worker_cpus}, concurrency=tasks)
     result = {**sink.written, "seconds": round(time.perf_counter() - t0, 2), "output": args.output,
               "mode": "tokenize" if args.tokenize else "raw"}
     if args.tokenize:
