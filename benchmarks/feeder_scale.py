@@ -16,19 +16,29 @@ bound. In one run, over the same blocks:
 Each rank is a Ray actor with ``1/N`` CPU (no torch: it does what ``StepFeed`` does before collation,
 then concatenates the rows as the flash-attention ``flatten`` collate would). Per N: tokens/s delivered
 to all ranks together, the feeder process's CPU-seconds per million tokens (``getrusage`` in the
-feeder, every thread), p50/p99 of a rank's wait per step, and the feeder's peak RSS. Also measured
-alone: what ``to_pylist`` + pickling the lists (the old path's own per-token work) costs per million
-tokens. Prints a markdown table and ``RESULT {json}``.
+feeder, every thread), the same for the whole process tree (raylet, GCS, feeder, ranks), p50/p99 of
+a rank's wait per step, and the feeder's peak RSS. Also measured alone: what ``to_pylist`` + pickling
+the lists (the old path's own per-token work) costs per million tokens. Prints a markdown table and
+``RESULT {json}``.
+
+Before each clock: every rank has received the feeder's handle (its first use loads the actor's class,
+~0.3 s per rank here), the stream's execution has started and its first block is in hand (the
+ceiling's too), and the machine is quiet (``benchlib.wait_quiet``: Ray keeps starting worker
+processes after actors are created; at N = 2 two of them took 1.7 of a 1.5 s run's 3.0 CPU-s).
+With 32 or 64 rank actors alive the machine never gets quiet (their idle processes keep 35-50% of
+the 2 cores busy); the wait then ends after 10 s and the table's "busy before" says how busy it was.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import pickle
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -41,7 +51,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from pipelines.feeder import Feeder, FeederClient, feeder_concurrency, list_rows  # noqa: E402
+from benchlib import wait_quiet  # noqa: E402
+
+from pipelines.feeder import Feeder, FeederClient, feeder_concurrency  # noqa: E402
 from pipelines.ray_local import init_local  # noqa: E402
 from pipelines.sources import make_sample_id  # noqa: E402
 
@@ -50,6 +62,7 @@ SHARED = Path(os.environ.get("PIPELINES_SHARED_DATA", ROOT.parent / "shared" / "
 C4 = SHARED / "text" / "c4_demo.jsonl"
 GPT2 = SHARED / "tokenizers" / "gpt2" / "tokenizer.json"
 COLUMNS = ("input_ids", "labels", "position_ids", "sample_ids")
+QUIET_TIMEOUT_S = 10.0  # the longest wait for a quiet machine before a clock (--quick: 2 s)
 
 
 # --------------------------------------------------------------------------- data
@@ -105,24 +118,40 @@ def make_dataset(total_rows: int) -> ray.data.Dataset:
 
 
 class MaterializedPlan:
-    """One source: the materialized blocks (chunks for the new feeder, row dicts for the old one)."""
+    """One source: the materialized blocks (chunks for the new feeder, row dicts for the old one).
+
+    The stream's execution starts when the feeder opens it, before the clock; its first block waits
+    for the feeder's ``go()`` (the clock's start), so the feeder has produced nothing ahead then.
+    """
 
     def __init__(self, ds: ray.data.Dataset, rows_as_dicts: bool = False) -> None:
         self.ds, self.dicts = ds, rows_as_dicts
         self.groups, self.weights, self.datasets = [None], [1.0], []
+        self.gate = threading.Event()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "gate"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.gate = threading.Event()
 
     def open(self, i: int, state: Any):
         if self.dicts:
-            from _old_feeder import _rows_of
-
-            return _rows_of(self.ds), {0: 0}
-        from pipelines.feeder import _chunks_of
-
-        return _chunks_of(self.ds), {0: 0}
+            from _old_feeder import _rows_of as stream
+        else:
+            from pipelines.feeder import _chunks_of as stream
+        items = stream(self.ds)
+        first = next(items)  # Ray Data's execution starts before the clock, as the ceiling's does
+        self.gate.wait()
+        return itertools.chain([first], items), {0: 0}
 
 
 class Usage:
-    """Mixed into the feeders: the process's CPU seconds (all threads) and peak RSS."""
+    """Mixed into the feeders: the process's CPU seconds (all threads) and peak RSS; ``go()`` opens the stream."""
+
+    def go(self) -> None:
+        self.plan.gate.set()
 
     def usage(self) -> tuple[float, float]:
         r = resource.getrusage(resource.RUSAGE_SELF)
@@ -153,6 +182,11 @@ class Rank:
     def ready(self) -> bool:
         return True
 
+    def connect(self, feeder: Any) -> None:
+        """Receive the feeder's handle before the clock (a training rank gets it once, at start-up:
+        its first use loads the actor's class, ~0.3 s here)."""
+        self.feeder = feeder
+
     def run(self, feeder: Any, old: bool) -> dict[str, Any]:
         client = FeederClient(feeder, self.rank)
         if old:
@@ -169,13 +203,28 @@ class Rank:
             if old:
                 cols = old_columns(item["rows"]) if item["kind"] == "step" else None
             else:
-                table = item.rows(("input_ids", "labels", "position_ids")) if item.kind == "step" else None
-                cols = {k: list_rows(table.column(k)) for k in table.column_names} if table is not None else None
+                cols = item.columns(("input_ids", "labels", "position_ids")) if item.kind == "step" else None
             waits.append(time.perf_counter() - w0)
             if cols and cols["input_ids"]:
                 flat = {k: np.concatenate(v) for k, v in cols.items()}  # the flatten collate, in numpy
                 tokens += int(flat["input_ids"].size)
         return {"tokens": tokens, "waits": waits, "start": t0, "end": time.perf_counter()}
+
+
+def tree_cpu_s() -> float:
+    """User + system CPU seconds of this process and all its descendants (Ray's raylet, GCS and
+    every worker: the feeder, the ranks, the tasks), as of now."""
+    import psutil
+
+    total = 0.0
+    root = psutil.Process()
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
 
 
 def run_feeder(ds: ray.data.Dataset, ranks: list[Any], old: bool) -> dict[str, Any]:
@@ -189,26 +238,40 @@ def run_feeder(ds: ray.data.Dataset, ranks: list[Any], old: bool) -> dict[str, A
         cfg = config_from_dict({"model": {"tokenizer": str(GPT2.parent)},
                                 "data": {"datasets": [{"path": str(C4), "type": "completion"}]}})
         feeder = ray.remote(num_cpus=0, max_concurrency=feeder_concurrency(n))(NewFeeder).remote(
-            dump_config(cfg), cfg.base_dir, n, K, 1, None, None, 4, MaterializedPlan(ds))
+            dump_config(cfg), cfg.base_dir, n, K, 1, None, None, plan=MaterializedPlan(ds))
+    ray.get([r.connect.remote(feeder) for r in ranks])
+    quiet = wait_quiet(timeout_s=QUIET_TIMEOUT_S)
     cpu0, _ = ray.get(feeder.usage.remote())
+    tree0 = tree_cpu_s()
     t0 = time.perf_counter()
-    res = ray.get([r.run.remote(feeder, old) for r in ranks])
+    runs = [r.run.remote(feeder, old) for r in ranks]
+    feeder.go.remote()
+    res = ray.get(runs)
     wall = time.perf_counter() - t0
+    tree = tree_cpu_s() - tree0
     cpu1, rss = ray.get(feeder.usage.remote())
     ray.kill(feeder)
     tokens = sum(r["tokens"] for r in res)
     waits = np.concatenate([r["waits"] for r in res])
     return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": tokens / wall,
-            "cpu_s_per_m_tokens": (cpu1 - cpu0) / tokens * 1e6, "wait_p50_ms": float(np.percentile(waits, 50) * 1e3),
+            "cpu_s_per_m_tokens": (cpu1 - cpu0) / tokens * 1e6, "tree_cpu_s_per_m_tokens": tree / tokens * 1e6,
+            "quiet_before": quiet, "wait_p50_ms": float(np.percentile(waits, 50) * 1e3),
             "wait_p99_ms": float(np.percentile(waits, 99) * 1e3), "feeder_peak_rss_mb": rss}
 
 
 def run_ceiling(ds: ray.data.Dataset) -> dict[str, Any]:
-    """One plain ``ds.iter_batches()`` consumer in the driver (default batch size and format)."""
-    t0, tokens = time.perf_counter(), 0
-    for batch in ds.iter_batches():
+    """One plain ``ds.iter_batches()`` consumer in the driver (default batch size and format). Its first
+    batch is taken before the clock (Ray Data's execution start, as for the feeders) and counted."""
+    def count(batch: dict) -> int:
         col = batch["input_ids"]
-        tokens += int(col.size) if col.dtype != object else sum(len(r) for r in col)
+        return int(col.size) if col.dtype != object else sum(len(r) for r in col)
+
+    batches = iter(ds.iter_batches())
+    tokens = count(next(batches))
+    wait_quiet(timeout_s=QUIET_TIMEOUT_S)
+    t0 = time.perf_counter()
+    for batch in batches:
+        tokens += count(batch)
     wall = time.perf_counter() - t0
     return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": tokens / wall}
 
@@ -260,6 +323,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="steps at the largest N (default 24; quick 4)")
     ap.add_argument("--plot", default=None, help="PNG path (default benchmarks/results/feeder_scale.png; quick: a temp dir)")
     args = ap.parse_args()
+    global QUIET_TIMEOUT_S
+    QUIET_TIMEOUT_S = 2.0 if args.quick else QUIET_TIMEOUT_S
     if args.plot is None:
         import tempfile
 
@@ -304,19 +369,21 @@ def main() -> None:
     print(f"old path's own per-token work: to_pylist {c['to_pylist_cpu_s_per_m_tokens']:.3f} + pickling "
           f"{c['pickle_cpu_s_per_m_tokens']:.3f} CPU-s per M tokens")
     print()
-    print("| N | system | M tokens/s (all ranks) | x ceiling | feeder CPU-s / M tokens | wait p50 / p99 ms | feeder peak RSS MB |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print("| N | system | M tokens/s (all ranks) | x ceiling | feeder CPU-s / M tokens | all processes CPU-s / M tokens "
+          "| wait p50 / p99 ms | feeder peak RSS MB | busy before |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     ceiling = out["ceiling"]["tokens_per_s"]
     for n in ns:
         per = out["per_n"][str(n)]
         if "error" in per:
-            print(f"| {n} | - | not run: {per['error'][:80]} | | | | |")
+            print(f"| {n} | - | not run: {per['error'][:80]} | | | | | | |")
             continue
         for key in ("feeder", "old"):
             r = per[key]
             print(f"| {n} | {key} | {r['tokens_per_s'] / 1e6:.2f} | {r['tokens_per_s'] / ceiling:.2f}x | "
-                  f"{r['cpu_s_per_m_tokens']:.4f} | {r['wait_p50_ms']:.1f} / {r['wait_p99_ms']:.1f} | "
-                  f"{r['feeder_peak_rss_mb']:.0f} |")
+                  f"{r['cpu_s_per_m_tokens']:.4f} | {r['tree_cpu_s_per_m_tokens']:.3f} | "
+                  f"{r['wait_p50_ms']:.1f} / {r['wait_p99_ms']:.1f} | {r['feeder_peak_rss_mb']:.0f} | "
+                  f"{r['quiet_before']['busy']:.0%} |")
     if any("error" not in v for v in out["per_n"].values()):
         try:
             plot(out, Path(args.plot))

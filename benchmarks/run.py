@@ -758,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-sweep", action="store_true", help="only the default tokenizer pool in B2")
     ap.add_argument("--only", default="B1,B2,B3,B4,B5,B6,B7,B8", help="comma-separated subset (B1 and B2 share the ingest run)")
     ap.add_argument("--skip", default="", help="comma-separated benchmarks not to run, e.g. B5,B6 (reported as not run)")
-    ap.add_argument("--external-timeout", type=float, help="seconds for each of B5-B8's scripts (default 1200, quick 150; full B6 at least 2700, B8 400)")
+    ap.add_argument("--external-timeout", type=float, help="seconds for each of B5-B8's scripts (default 1200, quick 150; full B6 at least 2700, B8 600)")
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -825,7 +825,7 @@ def main(argv: list[str] | None = None) -> int:
     # Full B6 takes ~25 min (its conversion case converts 200 MB three times each way).
     section("B6", lambda c: run_external("mds_read.py", c, min_timeout=0 if c["quick"] else 2700))
     section("B7", lambda c: run_external("resume.py", c))
-    section("B8", lambda c: run_external("feeder_scale.py", c, min_timeout=400))  # quick: ~90 s alone, Ray start
+    section("B8", lambda c: run_external("feeder_scale.py", c, min_timeout=600))  # quick: ~90 s alone, Ray start
 
     ctx["elapsed"] = time.perf_counter() - t_start
     ctx["load_end"] = [round(x, 2) for x in os.getloadavg()]

@@ -24,8 +24,8 @@ block A (source 0) and 1 row of block B::
 
 The global row order does not depend on the world size, so a run checkpointed with 2 workers
 resumes with 1 (or 1 with 2) at the same row. Ranks fetch items by index through
-:class:`FeederClient`, which prefetches, taking every ready item (up to 4) per call; the feeder
-prefetches too, in a thread.
+:class:`FeederClient`, which prefetches, taking every ready item (up to 4) per call and fetching
+the blocks of those items with one ``ray.get``, each block once; the feeder prefetches too, in a thread.
 ``commit(item)`` returns the state to checkpoint and writes the ledger of the steps up to it.
 The state after an epoch's last step already says the epoch is done (the feeder looks one row
 ahead), so a checkpoint taken there resumes in the next epoch, not in an empty rest of this one.
@@ -55,8 +55,8 @@ from pipelines.sources import resolve_sources
 from pipelines.storage import StorageOptions, filesystem_for
 from pipelines.units import dataset_files, file_positions
 
-__all__ = ["DataFeeder", "Feeder", "FeederClient", "RankItem", "RowSlice", "block_nodes", "feeder_concurrency",
-           "fetch_rows", "list_rows", "start_feeder"]
+__all__ = ["BlockColumns", "DataFeeder", "Feeder", "FeederClient", "RankItem", "RowSlice", "as_arrow", "block_nodes",
+           "feeder_concurrency", "fetch_blocks", "list_parts", "start_feeder"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +65,31 @@ ROW_COLUMNS = ("input_ids", "labels", "position_ids", "sample_ids")
 
 @dataclass(frozen=True)
 class RowSlice:
-    """Rows ``start .. stop`` of one packed-row block (an ``ObjectRef`` of an Arrow table)."""
+    """Rows ``start .. stop`` of one packed-row block: an ``ObjectRef`` of an Arrow table, or on a
+    rank, once :class:`FeederClient` has fetched it, that block's :class:`BlockColumns`."""
 
     block: Any
     start: int
     stop: int
+
+
+class BlockColumns:
+    """A fetched block's list columns as numpy views (offsets, values), made once per block per rank.
+
+    ``input_ids`` ``[[5, 9, 2], [7, 7]]`` -> offsets ``[0 3 5]``, values ``[5 9 2 7 7]``; rows 0..2 ->
+    ``[array([5, 9, 2]), array([7, 7])]``, views of the object store's buffer (no copy of the tokens).
+    """
+
+    def __init__(self, table: Any) -> None:
+        self.table = as_arrow(table)
+        self._parts: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def rows(self, column: str, start: int, stop: int) -> list[np.ndarray]:
+        if column not in self._parts:
+            self._parts[column] = list_parts(self.table.column(column))
+        offsets, values = self._parts[column]
+        o = offsets[start:stop + 1].tolist()
+        return [values[x:y] for x, y in zip(o[:-1], o[1:], strict=True)]
 
 
 @dataclass(frozen=True)
@@ -86,36 +106,40 @@ class RankItem:
     def num_rows(self) -> int:
         return sum(s.stop - s.start for s in self.slices)
 
-    def rows(self, columns: tuple[str, ...] = ROW_COLUMNS) -> pa.Table:
-        """This rank's rows, fetched from the object store (zero-copy on the same node)."""
-        return fetch_rows(self.slices, columns)
+    def columns(self, names: tuple[str, ...] = ROW_COLUMNS) -> dict[str, list[np.ndarray]]:
+        """This rank's rows: column -> one numpy view per row (zero-copy out of the object store)."""
+        (item,), _ = fetch_blocks([self])
+        slices = item.slices
+        return {c: [row for s in slices for row in s.block.rows(c, s.start, s.stop)] for c in names}
 
     def sample_ids(self) -> list[list[int]]:
         """The sample ids of each row (tests and tools; training reads only the token columns)."""
-        return self.rows(("sample_ids",)).column("sample_ids").to_pylist()
+        return [r.tolist() for r in self.columns(("sample_ids",))["sample_ids"]]
 
 
-def fetch_rows(slices: tuple[RowSlice, ...] | list[RowSlice], columns: tuple[str, ...] = ROW_COLUMNS) -> pa.Table:
-    """The rows of ``slices`` as one Arrow table (one ``ray.get`` for all blocks)."""
-    if not slices:
-        return pa.table({c: pa.array([], pa.list_(pa.int64())) for c in columns})
-    refs = list(dict.fromkeys(s.block for s in slices))
-    blocks = dict(zip(refs, ray.get(refs), strict=True))
-    parts = [blocks[s.block].select(list(columns)).slice(s.start, s.stop - s.start) for s in slices]
-    return parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+def list_parts(column: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A list column (Arrow) as numpy ``(offsets, values)``, zero-copy when it is one chunk. The
+    offsets of a sliced list array index its whole values buffer, which ``.values`` returns."""
+    arr = column.chunk(0) if getattr(column, "num_chunks", 0) == 1 else column
+    if hasattr(arr, "combine_chunks"):
+        arr = arr.combine_chunks()
+    return np.asarray(arr.offsets), arr.values.to_numpy(zero_copy_only=False)
 
 
-def list_rows(column: pa.ChunkedArray) -> list[np.ndarray]:
-    """A list column as per-row numpy views of its values (no copy of the tokens).
-
-    ``[[5, 9, 2], [7, 7]]`` -> values ``[5 9 2 7 7]``, offsets ``[0 3 5]`` -> ``[array([5, 9, 2]), array([7, 7])]``.
-    """
-    out: list[np.ndarray] = []
-    for chunk in column.chunks:
-        offsets = np.asarray(chunk.offsets)
-        values = chunk.values.to_numpy(zero_copy_only=False)
-        out.extend(values[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True))
-    return out
+def fetch_blocks(items: list[RankItem], have: dict[Any, BlockColumns] | None = None
+                 ) -> tuple[list[RankItem], dict[Any, BlockColumns]]:
+    """``items`` with every block fetched: one ``ray.get`` for the distinct blocks not in ``have``
+    (a block serves consecutive items, often several per response). Returns the items and the
+    blocks they use, by reference."""
+    have = have or {}
+    refs = list(dict.fromkeys(s.block for it in items for s in it.slices if not isinstance(s.block, BlockColumns)))
+    missing = [r for r in refs if r not in have]
+    got = {r: have[r] for r in refs if r in have}
+    if missing:
+        got.update(zip(missing, map(BlockColumns, ray.get(missing)), strict=True))
+    out = [replace(it, slices=tuple(s if isinstance(s.block, BlockColumns) else replace(s, block=got[s.block])
+                                    for s in it.slices)) for it in items]
+    return out, got
 
 
 @dataclass
@@ -159,7 +183,8 @@ def split_ranks(picked: list[Picked], world: int, k: int) -> list[list[Picked]]:
     return ranks
 
 
-def _arrow(block: Any) -> pa.Table:
+def as_arrow(block: Any) -> pa.Table:
+    """A Ray Data block as an Arrow table (our packing stage writes Arrow: then as it is)."""
     if isinstance(block, pa.Table):
         return block
     from ray.data.block import BlockAccessor
@@ -170,7 +195,7 @@ def _arrow(block: Any) -> pa.Table:
 @ray.remote(num_cpus=0)
 def _chunk_where_it_lies(block: Any, start: int, stop: int) -> Chunk:
     """:meth:`Chunk.from_table`, run on the node that holds the block: only the small arrays travel."""
-    return Chunk.from_table(_arrow(block), None, start, stop)
+    return Chunk.from_table(as_arrow(block), None, start, stop)
 
 
 def block_nodes(refs: list[Any]) -> dict[Any, list[str]]:
@@ -209,7 +234,7 @@ def _chunks_of(ds: ray.data.Dataset) -> Iterator[Chunk]:
             if task is not None:
                 chunk = replace(ray.get(task), block=ref)
             else:
-                table = _arrow(ray.get(ref))
+                table = as_arrow(ray.get(ref))
                 if not table.num_rows:
                     continue
                 chunk = Chunk.from_table(table, ref, start, table.num_rows if stop is None else stop)
@@ -412,13 +437,16 @@ class FeederClient:
     """A rank's view of the feeder: ``next()`` returns the next :class:`RankItem` for this rank.
 
     It keeps one request in flight, for the items after those it holds, and each request takes up to
-    ``batch`` items that are ready: one actor call per ``batch`` steps when the feeder is ahead.
+    ``batch`` items that are ready: one actor call per ``batch`` steps when the feeder is ahead. The
+    blocks of a response are fetched with one ``ray.get`` (a block the previous response used is
+    kept, not fetched again), so a rank fetches each block once, not once per step.
     """
 
     def __init__(self, feeder: Any, rank: int, start_index: int = 0, batch: int = 4) -> None:
         self.feeder, self.rank, self.index, self.batch = feeder, rank, start_index, batch
         self._ready: deque[RankItem] = deque()  # items index, index + 1, ... already here
         self._pending: Any = None  # the request for the items after them
+        self._blocks: dict[Any, BlockColumns] = {}  # the blocks of the last response
         self._over = False
 
     def _request(self) -> None:
@@ -430,6 +458,7 @@ class FeederClient:
         if not self._ready and self._pending is not None:
             items, self._pending = ray.get(self._pending), None
             self._over = not items
+            items, self._blocks = fetch_blocks(items, self._blocks)
             self._ready.extend(items)
         if not self._ready:
             return None

@@ -135,3 +135,52 @@ def test_feeder_warns_when_the_cluster_cannot_start_every_mixed_pool(tmp_path, r
         StreamPlan(make_config(datasets, tokenize={"num_actors": 1, "num_cpus": 0.25}), "train")  # 0.5 of 2 CPUs
         StreamPlan(make_config(datasets[:1], tokenize=pinned), "train")  # one source: placement is Ray's to report
     assert "mixed sources" not in caplog.text
+
+
+def _block_rows(seed: int, n: int) -> dict[str, list]:
+    """``n`` packed rows of random lengths (seeded), as the packing stage's columns."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ids = [rng.integers(0, 50_000, int(rng.integers(3, 9))).tolist() for _ in range(n)]
+    return {"input_ids": ids, "labels": [[-100, *r[1:]] for r in ids], "position_ids": [list(range(len(r))) for r in ids],
+            "sample_ids": [[seed * 100 + j, seed * 100 + j + 50] for j in range(n)]}
+
+
+def test_a_rank_fetches_each_block_once_and_gets_exactly_its_rows(ray_local, monkeypatch):
+    import pyarrow as pa
+
+    from pipelines import feeder as F
+    from pipelines.feeder import BlockColumns, RankItem, RowSlice
+
+    rows = {k: _block_rows(k, 6) for k in range(3)}
+    a, b, c = (ray.put(pa.table(rows[k])) for k in range(3))
+    gets: list[list] = []
+    real_get = ray.get
+    monkeypatch.setattr(F.ray, "get", lambda refs, **kw: (gets.append(list(refs)), real_get(refs, **kw))[1])
+
+    first = [RankItem(0, "step", 0, 1, (RowSlice(a, 0, 2),)),
+             RankItem(1, "step", 0, 2, (RowSlice(a, 2, 3), RowSlice(b, 0, 2))),
+             RankItem(2, "epoch_end", 0, 2)]
+    got, have = F.fetch_blocks(first)
+    assert gets == [[a, b]]  # one get for the response, each block once
+    second = [RankItem(3, "step", 1, 3, (RowSlice(b, 2, 6), RowSlice(c, 1, 2)))]
+    got2, have2 = F.fetch_blocks(second, have)
+    assert gets == [[a, b], [c]] and set(have2) == {b, c}  # b kept from the response before
+
+    def expect(*cuts):
+        return {col: [r for k, s, e in cuts for r in rows[k][col][s:e]] for col in F.ROW_COLUMNS}
+
+    def as_lists(item):
+        return {col: [r.tolist() for r in v] for col, v in item.columns().items()}
+
+    assert as_lists(got[0]) == expect((0, 0, 2))
+    assert as_lists(got[1]) == expect((0, 2, 3), (1, 0, 2))
+    assert as_lists(got2[0]) == expect((1, 2, 6), (2, 1, 2))
+    assert got2[0].sample_ids() == expect((1, 2, 6), (2, 1, 2))["sample_ids"]
+    assert got[2].columns() == {col: [] for col in F.ROW_COLUMNS}
+    assert len(gets) == 2  # the items' rows come from the blocks fetched with them
+
+    # A block that is a slice of a larger table: its list offsets index the whole values buffer.
+    sliced = BlockColumns(pa.table(rows[1]).slice(2, 3))
+    assert [r.tolist() for r in sliced.rows("input_ids", 1, 3)] == rows[1]["input_ids"][3:5]

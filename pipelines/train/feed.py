@@ -21,7 +21,7 @@ import numpy as np
 import torch.distributed as dist
 
 from pipelines.config import Config
-from pipelines.feeder import FeederClient, RankItem, list_rows, start_feeder
+from pipelines.feeder import FeederClient, RankItem, start_feeder
 from pipelines.resume import DataState, DataStateError
 
 # Feeder epochs when train.max_steps decides the end: the stream is re-read as often as needed.
@@ -93,5 +93,4 @@ TOKEN_COLUMNS = ("input_ids", "labels", "position_ids")
 
 def _columns(item: RankItem) -> dict[str, list[np.ndarray]]:
     """This rank's rows of a step item: column -> one numpy view per row."""
-    table = item.rows(TOKEN_COLUMNS)
-    return {k: list_rows(table.column(k)) for k in TOKEN_COLUMNS}
+    return item.columns(TOKEN_COLUMNS)
