@@ -25,8 +25,8 @@ Before each clock: every rank has received the feeder's handle (its first use lo
 ~0.3 s per rank here), the stream's execution has started and its first block is in hand (the
 ceiling's too), and the machine is quiet (``benchlib.wait_quiet``: Ray keeps starting worker
 processes after actors are created; at N = 2 two of them took 1.7 of a 1.5 s run's 3.0 CPU-s).
-With 32 or 64 rank actors alive the machine never gets quiet (their idle processes keep 35-50% of
-the 2 cores busy); the wait then ends after 10 s and the table's "busy before" says how busy it was.
+With 32 or 64 rank actors alive the machine never gets quiet (their idle processes kept 21-55% of
+the 2 cores busy in the 18:45 run); the wait then ends after 10 s, and "busy before" says how busy.
 """
 
 from __future__ import annotations
