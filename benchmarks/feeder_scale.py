@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from benchlib import wait_quiet  # noqa: E402
+from benchlib import TreeRSS, wait_quiet  # noqa: E402
 
 from pipelines.feeder import Feeder, FeederClient, feeder_concurrency  # noqa: E402
 from pipelines.ray_local import init_local  # noqa: E402
@@ -62,7 +62,7 @@ SHARED = Path(os.environ.get("PIPELINES_SHARED_DATA", ROOT.parent / "shared" / "
 C4 = SHARED / "text" / "c4_demo.jsonl"
 GPT2 = SHARED / "tokenizers" / "gpt2" / "tokenizer.json"
 COLUMNS = ("input_ids", "labels", "position_ids", "sample_ids")
-QUIET_TIMEOUT_S = 10.0  # the longest wait for a quiet machine before a clock (--quick: 2 s)
+QUIET_TIMEOUT_S, QUICK_QUIET_TIMEOUT_S = 10.0, 2.0  # the longest wait for a quiet machine before a clock
 
 
 # --------------------------------------------------------------------------- data
@@ -213,21 +213,13 @@ class Rank:
 
 def tree_cpu_s() -> float:
     """User + system CPU seconds of this process and all its descendants (Ray's raylet, GCS and
-    every worker: the feeder, the ranks, the tasks), as of now."""
-    import psutil
-
-    total = 0.0
-    root = psutil.Process()
-    for p in [root, *root.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-        except psutil.Error:
-            continue
-        total += t.user + t.system
-    return total
+    every worker: the feeder, the ranks), as of now."""
+    tree = TreeRSS(os.getpid())
+    tree.sample()
+    return tree.cpu_s
 
 
-def run_feeder(ds: ray.data.Dataset, ranks: list[Any], old: bool) -> dict[str, Any]:
+def run_feeder(ds: ray.data.Dataset, ranks: list[Any], old: bool, quiet_s: float) -> dict[str, Any]:
     n = len(ranks)
     if old:
         cls = ray.remote(num_cpus=0, max_concurrency=64)(_old_feeder_class())
@@ -240,7 +232,7 @@ def run_feeder(ds: ray.data.Dataset, ranks: list[Any], old: bool) -> dict[str, A
         feeder = ray.remote(num_cpus=0, max_concurrency=feeder_concurrency(n))(NewFeeder).remote(
             dump_config(cfg), cfg.base_dir, n, K, 1, None, None, plan=MaterializedPlan(ds))
     ray.get([r.connect.remote(feeder) for r in ranks])
-    quiet = wait_quiet(timeout_s=QUIET_TIMEOUT_S)
+    quiet = wait_quiet(timeout_s=quiet_s)
     cpu0, _ = ray.get(feeder.usage.remote())
     tree0 = tree_cpu_s()
     t0 = time.perf_counter()
@@ -259,7 +251,7 @@ def run_feeder(ds: ray.data.Dataset, ranks: list[Any], old: bool) -> dict[str, A
             "wait_p99_ms": float(np.percentile(waits, 99) * 1e3), "feeder_peak_rss_mb": rss}
 
 
-def run_ceiling(ds: ray.data.Dataset) -> dict[str, Any]:
+def run_ceiling(ds: ray.data.Dataset, quiet_s: float) -> dict[str, Any]:
     """One plain ``ds.iter_batches()`` consumer in the driver (default batch size and format). Its first
     batch is taken before the clock (Ray Data's execution start, as for the feeders) and counted."""
     def count(batch: dict) -> int:
@@ -268,7 +260,7 @@ def run_ceiling(ds: ray.data.Dataset) -> dict[str, Any]:
 
     batches = iter(ds.iter_batches())
     tokens = count(next(batches))
-    wait_quiet(timeout_s=QUIET_TIMEOUT_S)
+    wait_quiet(timeout_s=quiet_s)
     t0 = time.perf_counter()
     for batch in batches:
         tokens += count(batch)
@@ -323,8 +315,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="steps at the largest N (default 24; quick 4)")
     ap.add_argument("--plot", default=None, help="PNG path (default benchmarks/results/feeder_scale.png; quick: a temp dir)")
     args = ap.parse_args()
-    global QUIET_TIMEOUT_S
-    QUIET_TIMEOUT_S = 2.0 if args.quick else QUIET_TIMEOUT_S
+    quiet_s = QUICK_QUIET_TIMEOUT_S if args.quick else QUIET_TIMEOUT_S
     if args.plot is None:
         import tempfile
 
@@ -342,14 +333,15 @@ def main() -> None:
     ds = make_dataset(total_rows)
     out: dict[str, Any] = {"rows": total_rows, "tokens": total_rows * SEQ, "seq": SEQ, "rows_per_rank": K,
                            "load_avg_before": os.getloadavg()}
-    out["ceiling"] = run_ceiling(ds)
+    out["ceiling"] = run_ceiling(ds, quiet_s)
     out["old_path_cost"] = pylist_pickle_cost(ds)
     out["per_n"] = {}
     for n in ns:
         try:
             ranks = [Rank.options(num_cpus=1.0 / n).remote(r) for r in range(n)]
             ray.get([r.ready.remote() for r in ranks])
-            out["per_n"][str(n)] = {"feeder": run_feeder(ds, ranks, old=False), "old": run_feeder(ds, ranks, old=True)}
+            out["per_n"][str(n)] = {"feeder": run_feeder(ds, ranks, False, quiet_s),
+                                    "old": run_feeder(ds, ranks, True, quiet_s)}
             for r in ranks:
                 ray.kill(r)
         except Exception as err:  # e.g. out of memory at large N: report it, keep the smaller N

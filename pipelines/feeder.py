@@ -47,6 +47,7 @@ import pyarrow as pa
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from pipelines.arrays import list_flat
 from pipelines.config import Config, config_from_dict, dump_config
 from pipelines.dataset import all_pretokenized, build_dataset, data_report, tokenizer_pools_short
 from pipelines.mixing import Chunk, Mixer, Picked, fresh_states
@@ -56,7 +57,7 @@ from pipelines.storage import StorageOptions, filesystem_for
 from pipelines.units import dataset_files, file_positions
 
 __all__ = ["BlockColumns", "DataFeeder", "Feeder", "FeederClient", "RankItem", "RowSlice", "as_arrow", "block_nodes",
-           "feeder_concurrency", "fetch_blocks", "list_parts", "start_feeder"]
+           "feeder_concurrency", "fetch_blocks", "start_feeder"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,8 @@ class BlockColumns:
 
     def rows(self, column: str, start: int, stop: int) -> list[np.ndarray]:
         if column not in self._parts:
-            self._parts[column] = list_parts(self.table.column(column))
+            col = self.table.column(column)  # one chunk: as an array, zero-copy
+            self._parts[column] = list_flat(col.chunk(0) if col.num_chunks == 1 else col)
         offsets, values = self._parts[column]
         o = offsets[start:stop + 1].tolist()
         return [values[x:y] for x, y in zip(o[:-1], o[1:], strict=True)]
@@ -115,15 +117,6 @@ class RankItem:
     def sample_ids(self) -> list[list[int]]:
         """The sample ids of each row (tests and tools; training reads only the token columns)."""
         return [r.tolist() for r in self.columns(("sample_ids",))["sample_ids"]]
-
-
-def list_parts(column: Any) -> tuple[np.ndarray, np.ndarray]:
-    """A list column (Arrow) as numpy ``(offsets, values)``, zero-copy when it is one chunk. The
-    offsets of a sliced list array index its whole values buffer, which ``.values`` returns."""
-    arr = column.chunk(0) if getattr(column, "num_chunks", 0) == 1 else column
-    if hasattr(arr, "combine_chunks"):
-        arr = arr.combine_chunks()
-    return np.asarray(arr.offsets), arr.values.to_numpy(zero_copy_only=False)
 
 
 def fetch_blocks(items: list[RankItem], have: dict[Any, BlockColumns] | None = None
