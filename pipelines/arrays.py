@@ -32,8 +32,12 @@ def list_array(parts: list[np.ndarray], dtype: pa.DataType = INT32) -> pa.Array:
 
 
 def list_flat(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """``(offsets, values)`` of a list column; the offsets index into the values (zero-copy where Arrow allows)."""
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    """``(offsets, values)`` of a list column; the offsets index into the values (zero-copy where Arrow allows:
+    a plain array or a one-chunk column; several chunks are combined, a copy)."""
+    if isinstance(col, pa.ChunkedArray):
+        arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    else:
+        arr = col
     return arr.offsets.to_numpy(), arr.values.to_numpy(zero_copy_only=False)
 
 

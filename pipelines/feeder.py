@@ -87,8 +87,8 @@ class BlockColumns:
 
     def rows(self, column: str, start: int, stop: int) -> list[np.ndarray]:
         if column not in self._parts:
-            col = self.table.column(column)  # one chunk: as an array, zero-copy
-            self._parts[column] = list_flat(col.chunk(0) if col.num_chunks == 1 else col)
+            col = self.table.column(column)  # one chunk: zero-copy views (list_flat)
+            self._parts[column] = list_flat(col)
         offsets, values = self._parts[column]
         o = offsets[start:stop + 1].tolist()
         return [values[x:y] for x, y in zip(o[:-1], o[1:], strict=True)]

@@ -1,9 +1,11 @@
 """Tokenize: the CPU actor stage, ``(sample_id, record)`` blocks -> ``(sample_id, input_ids, labels)``.
 
 Each actor loads the tokenizer once. Per batch it parses the JSON records, formats them
-(:mod:`pipelines.formats`), encodes all texts in one ``encode_batch`` call of the Rust tokenizer,
-and turns each format's trained character spans into labels with ``char_to_token``, so the cost
-per sample is a few lookups, not a loop over tokens.
+(:mod:`pipelines.formats`), encodes all texts in one batch call of the Rust tokenizer, and turns
+each format's trained character spans into labels (:mod:`pipelines.labels`), so the cost per sample
+is a few lookups, not a loop over tokens. With a byte-level BPE tokenizer (GPT-2, Llama 3, Qwen,
+SmolLM2) the batch call is ``encode_batch_fast``, which skips computing offsets, and the labels come
+from the tokens' byte lengths; any other tokenizer uses ``encode_batch`` and its offsets.
 
 Worked example (completion, GPT-2): ``"Hello world"`` -> ids ``[15496, 995, 50256]`` (EOS
 appended), labels ``[15496, 995, 50256]``. Labels are not shifted; the model shifts them.
@@ -24,6 +26,7 @@ from pipelines.arrays import list_array, parts_flat
 from pipelines.config import DataConfig, ModelConfig
 from pipelines.datasource import BadRecordError
 from pipelines.formats import Formatted, RecordError, make_formatter
+from pipelines.labels import ByteSpans, span_labels
 from pipelines.pretokenized import id_problems
 from pipelines.records import unpack_array
 from pipelines.sources import SourceTable, split_sample_id
@@ -34,39 +37,10 @@ from pipelines.units import carry_unit_columns, explode_units
 # Dataset types whose formatter needs the transformers tokenizer (its chat template).
 HF_FORMATS = ("chat_template",)
 
-__all__ = ["IGNORE_INDEX", "TOKENIZED_SCHEMA", "Tokenizer", "span_labels", "tokenized_table"]
+__all__ = ["IGNORE_INDEX", "TOKENIZED_SCHEMA", "Tokenizer", "tokenized_table"]
 TOKENIZED_SCHEMA = pa.schema(
     [("sample_id", pa.int64()), ("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))]
 )
-
-
-def _first_token(enc: Any, start: int, end: int, step: int) -> int | None:
-    """Token index of the first (step=1) or last (step=-1) character in [start, end) that maps to one."""
-    rng = range(start, end) if step == 1 else range(end - 1, start - 1, -1)
-    for pos in rng:
-        tok = enc.char_to_token(pos)
-        if tok is not None:
-            return tok
-    return None
-
-
-def span_labels(ids: np.ndarray, enc: Any, spans: list[tuple[int, int]]) -> tuple[np.ndarray, int]:
-    """Labels (``ids`` where a token overlaps a trained span, else -100) and the number of straddles.
-
-    A token that straddles a span's start (GPT-2 merges a prompt's trailing ``"\n"`` with a
-    response's leading ``"\n\n"`` into one ``"\n\n\n"`` token) is trained, since it holds response
-    text; such cases are counted (``label_span_straddles``) so a template can be fixed if they are common.
-    """
-    labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int32)
-    straddles = 0
-    for start, end in spans:
-        first = _first_token(enc, start, end, 1)
-        if first is None:
-            continue
-        last = _first_token(enc, start, end, -1)
-        labels[first : last + 1] = ids[first : last + 1]
-        straddles += enc.token_to_chars(first)[0] < start  # not enc.offsets: that builds every token's pair
-    return labels, straddles
 
 
 @dataclass
@@ -100,6 +74,7 @@ class Tokenizer:
         self._hf = load_tokenizer(model) if any(ds.type in HF_FORMATS for ds in table.datasets) else None
         backend = load_backend(model, self._hf)
         self.backend, self.eos, self.vocab_size = backend.tokenizer, backend.eos_token_id, backend.vocab_size
+        self.byte_spans = ByteSpans.for_tokenizer(self.backend)  # None: labels need the encoding's offsets
         self.tokenizer_name = model.tokenizer_path
         self.formatters = [make_formatter(ds, data, self._hf) for ds in table.datasets]
         if data.add_eos and self.eos is None and any(ds.type in ("completion", "alpaca") for ds in table.datasets):
@@ -168,19 +143,37 @@ class Tokenizer:
         return None
 
     def _encode(self, items: list[Formatted]) -> list[Any]:
-        """Encodings for a batch, grouped by whether the tokenizer adds its special tokens."""
+        """Encodings for a batch, grouped by whether the tokenizer adds its special tokens.
+
+        A group whose ids tile its texts' bytes (:meth:`ByteSpans.usable`) is encoded without offsets
+        (``encode_batch_fast``); :meth:`_labels` then takes the labels from the ids alone.
+        """
         out: list[Any] = [None] * len(items)
         for flag in (True, False):
             idx = [i for i, f in enumerate(items) if f.add_special_tokens is flag]
             if not idx:
                 continue
+            fast = self.byte_spans is not None and self.byte_spans.usable(flag)
+            encode = self.backend.encode_batch_fast if fast else self.backend.encode_batch
             step = self.data.tokenize.batch_size
             for c in range(0, len(idx), step):
                 chunk = idx[c : c + step]
-                encs = self.backend.encode_batch([items[i].text for i in chunk], add_special_tokens=flag)
-                for i, enc in zip(chunk, encs, strict=True):
+                for i, enc in zip(chunk, encode([items[i].text for i in chunk], add_special_tokens=flag), strict=True):
                     out[i] = enc
         return out
+
+    def _labels(self, ids: np.ndarray, n_text: int, enc: Any, f: Formatted) -> tuple[np.ndarray, int]:
+        """Labels of ``ids`` (the first ``n_text`` encoded from ``f.text``) and the span straddles.
+
+        ``enc`` came without offsets when the fast path applies (:meth:`_encode`); where its ids turn
+        out not to tile the text (:meth:`ByteSpans.labels` is None), the text is encoded again with them.
+        """
+        if self.byte_spans is not None and self.byte_spans.usable(f.add_special_tokens):
+            fast = self.byte_spans.labels(ids, n_text, f.text, f.spans)
+            if fast is not None:
+                return fast
+            enc = self.backend.encode(f.text, add_special_tokens=f.add_special_tokens)
+        return span_labels(ids, enc, f.spans)
 
     # -- one batch --------------------------------------------------------------------------
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -207,7 +200,7 @@ class Tokenizer:
             raw = enc.ids
             ids = np.empty(len(raw) + f.add_eos, dtype=np.int32)  # room for EOS: no copy to append it
             ids[: len(raw)] = raw
-            labels, straddles = span_labels(ids, enc, f.spans)  # EOS, past every span, stays -100 here
+            labels, straddles = self._labels(ids, len(raw), enc, f)  # EOS, past every span, stays -100 here
             if straddles:
                 counts.add("label_span_straddles", straddles, self.table.where(sids[i]))
             if f.add_eos:

@@ -1,0 +1,169 @@
+"""Labels from trained character spans: the one place that maps a format's spans onto tokens.
+
+Two ways, with the same result:
+
+* :func:`span_labels` asks the encoding (``char_to_token``), so it needs the offsets that
+  ``Tokenizer.encode_batch`` computes for every token.
+* :class:`ByteSpans` needs no offsets. In a byte-level BPE tokenizer (GPT-2, Llama 3, Qwen, SmolLM2)
+  every token stands for a fixed byte string, so a text's tokens tile its UTF-8 bytes in order and
+  the cumulative byte lengths of the ids say where each token starts. The ids can then come from
+  ``encode_batch_fast``, which skips the offsets: 25-35% less tokenizer time on this machine
+  (BENCHMARKS.md, "B1"). :meth:`ByteSpans.for_tokenizer` returns None for any tokenizer where that
+  tiling does not hold (a normalizer, a prefix space, stripped added tokens, a pre-tokenizer that drops
+  text, a vocabulary outside the byte alphabet), and the offsets path is used.
+
+Worked example (GPT-2, text ``"Hi there"``, span ``(2, 8)``, i.e. ``" there"``): ids ``[17250, 612]``
+stand for ``b"Hi"`` and ``b" there"``, byte lengths ``[2, 6]``, token ends ``[2, 8]``; the span's
+bytes ``[2, 8)`` start in token 1 and end in token 1, so labels ``[-100, 612]``, no straddle.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from pipelines.tokenizer import IGNORE_INDEX
+
+__all__ = ["ByteSpans", "span_labels"]
+
+
+def _first_token(enc: Any, start: int, end: int, step: int) -> int | None:
+    """Token index of the first (step=1) or last (step=-1) character in [start, end) that maps to one."""
+    rng = range(start, end) if step == 1 else range(end - 1, start - 1, -1)
+    for pos in rng:
+        tok = enc.char_to_token(pos)
+        if tok is not None:
+            return tok
+    return None
+
+
+def span_labels(ids: np.ndarray, enc: Any, spans: list[tuple[int, int]]) -> tuple[np.ndarray, int]:
+    """Labels (``ids`` where a token overlaps a trained span, else -100) and the number of straddles.
+
+    A token that straddles a span's start (GPT-2 merges a prompt's trailing ``"\n"`` with a
+    response's leading ``"\n\n"`` into one ``"\n\n\n"`` token) is trained, since it holds response
+    text; such cases are counted (``label_span_straddles``) so a template can be fixed if they are common.
+    """
+    labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int32)
+    straddles = 0
+    for start, end in spans:
+        first = _first_token(enc, start, end, 1)
+        if first is None:
+            continue
+        last = _first_token(enc, start, end, -1)
+        labels[first : last + 1] = ids[first : last + 1]
+        straddles += enc.token_to_chars(first)[0] < start  # not enc.offsets: that builds every token's pair
+    return labels, straddles
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte (tokenizers' ByteLevel)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+def _keeps_bytes(pre: dict[str, Any]) -> bool:
+    """Whether one pre-tokenizer (tokenizer.json form) only splits: no bytes added, dropped or changed."""
+    kind = pre.get("type")
+    if kind == "ByteLevel":
+        return not pre.get("add_prefix_space", False)
+    if kind in ("Split", "Punctuation"):
+        return pre.get("behavior") != "Removed"
+    return kind == "Digits"
+
+
+def _byte_level_pre(pre: dict[str, Any] | None) -> bool:
+    """ByteLevel, alone or in a Sequence of pre-tokenizers that all keep every byte."""
+    parts = (pre or {}).get("pretokenizers", []) if (pre or {}).get("type") == "Sequence" else [pre or {}]
+    return any(p.get("type") == "ByteLevel" for p in parts) and all(_keeps_bytes(p) for p in parts)
+
+
+def _untrimmed_post(post: dict[str, Any] | None) -> bool:
+    """A post-processor that leaves offsets whole (a trimmed offset would map no token to a space)."""
+    parts = (post or {}).get("processors", []) if (post or {}).get("type") == "Sequence" else [post] if post else []
+    return all(p.get("type") == "TemplateProcessing" or (p.get("type") == "ByteLevel" and not p.get("trim_offsets"))
+               for p in parts)
+
+
+class ByteSpans:
+    """Labels of a byte-level BPE tokenizer's ids from their byte lengths (no offsets needed).
+
+    Gives exactly what :func:`span_labels` gives on the same text (tested on every corpus and
+    tokenizer in ``../shared/data`` and on multi-byte text, ``tests/test_labels.py``).
+    """
+
+    def __init__(self, byte_lengths: np.ndarray, adds_special_tokens: bool) -> None:
+        self.byte_lengths = byte_lengths  # per id; int64
+        self.adds_special_tokens = adds_special_tokens  # the post-processor inserts tokens with no text
+
+    @classmethod
+    def for_tokenizer(cls, tok: Any) -> ByteSpans | None:
+        """For a ``tokenizers.Tokenizer`` whose tokens tile the text's bytes, else None."""
+        if not hasattr(tok, "encode_batch_fast"):
+            return None
+        spec = json.loads(tok.to_str())
+        model = spec.get("model") or {}
+        if (spec.get("normalizer") is not None or model.get("type") != "BPE" or not _byte_level_pre(spec.get("pre_tokenizer"))
+                or not _untrimmed_post(spec.get("post_processor"))):
+            return None
+        alphabet = _bytes_to_unicode()
+        vocab = model.get("vocab", {})
+        size = tok.get_vocab_size(with_added_tokens=True)
+        lengths = np.full(size, -1, dtype=np.int64)
+        added = {a["id"]: a for a in spec.get("added_tokens", [])}
+        for token, i in vocab.items():
+            if i in added:
+                continue
+            if not all(ch in alphabet for ch in token):
+                return None  # not a byte-level vocabulary
+            lengths[i] = len(token)
+        for i, a in added.items():
+            if a.get("lstrip") or a.get("rstrip") or i >= size:
+                return None  # stripped whitespace would not be in the token's bytes
+            lengths[i] = len(a["content"].encode("utf-8"))
+        if (lengths < 0).any():
+            return None
+        post = tok.post_processor
+        adds = bool(post is not None and post.num_special_tokens_to_add(False))
+        return cls(lengths, adds)
+
+    def usable(self, add_special_tokens: bool) -> bool:
+        """Whether ids encoded with this flag tile the text (no post-processor tokens in between)."""
+        return not (add_special_tokens and self.adds_special_tokens)
+
+    def labels(self, ids: np.ndarray, n_text: int, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, int] | None:
+        """As :func:`span_labels`, for ``ids`` whose first ``n_text`` come from ``text`` (the rest, e.g.
+        EOS, stay -100): the token holding a span's first byte to the token holding its last character's
+        first byte (as ``char_to_token`` of the last character), and how many start before the span.
+
+        None when the ids do not tile the text's bytes after all: a byte with no token of its own in
+        the vocabulary is dropped by the model (SmolLM2 has none for ``0x04`` or ``0xf1``), so the
+        tokens' byte lengths add up to less than the text's. The caller then needs the offsets.
+        """
+        labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int32)
+        ascii_text = text.isascii()
+        ends = np.cumsum(self.byte_lengths[ids[:n_text]])
+        if (ends[-1] if n_text else 0) != (len(text) if ascii_text else len(text.encode("utf-8"))):
+            return None
+        straddles = 0
+        for start, end in spans:
+            if end <= start or not n_text:
+                continue
+            b0 = start if ascii_text else len(text[:start].encode("utf-8"))
+            b1 = end - 1 if ascii_text else len(text[: end - 1].encode("utf-8"))
+            first = int(np.searchsorted(ends, b0, side="right"))
+            last = int(np.searchsorted(ends, b1, side="right"))
+            if first >= n_text:
+                continue
+            labels[first : last + 1] = ids[first : last + 1]
+            straddles += int(ends[first] - self.byte_lengths[ids[first]]) < b0
+        return labels, straddles

@@ -1,0 +1,153 @@
+"""Labels without offsets (``ByteSpans``) equal labels from offsets (``span_labels``), exactly.
+
+The tokenizer stage encodes byte-level BPE tokenizers with ``encode_batch_fast`` and computes labels
+from the ids' byte lengths; every other tokenizer keeps ``encode_batch`` and ``char_to_token``. These
+tests run both paths over every corpus and tokenizer in ../shared/data and compare the stage's whole
+output, and check the byte arithmetic on generated multi-byte text, including bytes that SmolLM2's
+vocabulary has no token for (the model drops them, so the fast path must notice and fall back).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import ALPACA, C4, GLAIVE, GPT2, LIMA, SHAKESPEARE, SMOLLM2, make_config, needs_shared
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipelines.datasource import ReadOptions, read_files
+from pipelines.labels import ByteSpans, span_labels
+from pipelines.sources import resolve_sources
+from pipelines.stats import StatsSink
+from pipelines.tokenize import IGNORE_INDEX, Tokenizer
+
+pytestmark = needs_shared
+
+
+def _rust(path):
+    from tokenizers import Tokenizer as RustTokenizer
+
+    return RustTokenizer.from_file(str(path / "tokenizer.json"))
+
+
+def _stage_output(cfg, fast: bool) -> tuple[list, dict, Tokenizer]:
+    """The tokenizer stage over every file of ``cfg``: its output blocks as Python lists, and its counters."""
+    table, sink = resolve_sources(cfg), StatsSink()
+    opts = ReadOptions(table.storage, cfg.data.on_bad_record, tuple(d.text_field for d in table.datasets))
+    tok = Tokenizer(cfg.data, cfg.model, table, sink)
+    if not fast:
+        tok.byte_spans = None  # the offsets path, as for a tokenizer that is not byte-level
+    blocks = [tok(b).select(["sample_id", "input_ids", "labels"]).to_pydict() for b in read_files(list(table.files), opts, sink)]
+    return blocks, dict(sink.local.counters), tok
+
+
+CORPORA = [
+    ("alpaca-gpt2", ALPACA, "alpaca", GPT2),
+    ("alpaca-smollm2", ALPACA, "alpaca", SMOLLM2),
+    ("lima-gpt2", LIMA, "alpaca", GPT2),
+    ("glaive-chatml", GLAIVE, "chat_template", SMOLLM2),
+    ("c4-gpt2", C4, "completion", GPT2),
+    ("c4-smollm2", C4, "completion", SMOLLM2),
+    ("shakespeare-smollm2", SHAKESPEARE, "completion", SMOLLM2),
+]
+
+
+@pytest.mark.parametrize(("name", "path", "kind", "tokenizer"), CORPORA, ids=[c[0] for c in CORPORA])
+def test_fast_path_gives_the_offsets_path_output_on_real_corpora(name, path, kind, tokenizer):
+    cfg = make_config([{"path": str(path), "type": kind}], tokenizer=tokenizer, on_bad_record="skip")
+    fast, fast_counts, tok = _stage_output(cfg, fast=True)
+    slow, slow_counts, _ = _stage_output(cfg, fast=False)
+    assert tok.byte_spans is not None and tok.byte_spans.usable(True) and tok.byte_spans.usable(False)  # the fast path ran
+    assert fast == slow
+    assert fast_counts == slow_counts
+    trained = sum(lab != IGNORE_INDEX for block in fast for row in block["labels"] for lab in row)
+    tokens = sum(len(row) for block in fast for row in block["input_ids"])
+    assert tokens > 10_000 and trained > 0
+    if kind != "completion":
+        assert trained < tokens  # prompts are masked: the spans, not every token, decide
+    if name == "lima-gpt2":  # one response whose first token also holds the prompt's last character
+        assert fast_counts["label_span_straddles"] == 1
+
+
+def test_byte_spans_only_for_tokenizers_whose_tokens_tile_the_text():
+    from tokenizers import normalizers, pre_tokenizers, processors
+
+    assert ByteSpans.for_tokenizer(_rust(GPT2)) is not None
+    assert ByteSpans.for_tokenizer(_rust(SMOLLM2)) is not None
+    lower = _rust(GPT2)
+    lower.normalizer = normalizers.Lowercase()
+    prefix = _rust(GPT2)
+    prefix.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    trimmed = _rust(GPT2)
+    trimmed.post_processor = processors.ByteLevel(trim_offsets=True)
+    bos = _rust(SMOLLM2)
+    bos.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    for tok in (lower, prefix, trimmed):
+        assert ByteSpans.for_tokenizer(tok) is None
+    with_bos = ByteSpans.for_tokenizer(bos)  # tiles the text only when the post-processor adds nothing
+    assert with_bos is not None and not with_bos.usable(True) and with_bos.usable(False)
+
+
+# Text that exercises byte arithmetic: ASCII, 2-4 byte characters, combining marks, emoji, controls
+# (SmolLM2 has no token for 0x04, 0x06, 0x13, 0x14, 0x16, 0x1d, nor the lead bytes 0xf1, 0xf2).
+SMOLLM2_DROPS = ("\x04", "\x1d", "\U00040000")
+ALPHABET = list("ab Z\n\t.,0123") + ["é", "ß", "中", "文", "\u0301", "😀", "👍🏽", "\U00040000", "\x04", "\x1d", "\x00"]
+
+
+@pytest.fixture(scope="module")
+def rust_tokenizers():
+    toks = {"gpt2": _rust(GPT2), "smollm2": _rust(SMOLLM2)}
+    return {name: (tok, ByteSpans.for_tokenizer(tok)) for name, tok in toks.items()}
+
+
+def test_worked_example_gpt2():
+    """The module docstring's example: ``"Hi there"`` is ``[17250, 612]`` = ``b"Hi"``, ``b" there"``."""
+    tok = _rust(GPT2)
+    spans = ByteSpans.for_tokenizer(tok)
+    ids = np.array([17250, 612, 50256], dtype=np.int32)  # EOS after the text
+    assert tok.encode_batch_fast(["Hi there"])[0].ids == [17250, 612]
+    labels, straddles = spans.labels(ids, 2, "Hi there", [(2, 8)])
+    assert labels.tolist() == [IGNORE_INDEX, 612, IGNORE_INDEX] and straddles == 0
+    labels, straddles = spans.labels(ids, 2, "Hi there", [(3, 8)])  # starts inside " there": trained, counted
+    assert labels.tolist() == [IGNORE_INDEX, 612, IGNORE_INDEX] and straddles == 1
+    labels, straddles = spans.labels(ids, 2, "Hi there", [(0, 1), (5, 5)])  # "H" only; an empty span
+    assert labels.tolist() == [17250, IGNORE_INDEX, IGNORE_INDEX] and straddles == 0
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    which=st.sampled_from(["gpt2", "smollm2"]),
+    text=st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=40).map("".join),
+    cuts=st.lists(st.integers(0, 40), max_size=6),
+)
+def test_byte_spans_equal_offsets_on_multibyte_text(rust_tokenizers, which, text, cuts):
+    tok, byte_spans = rust_tokenizers[which]
+    spans_at = sorted(min(c, len(text)) for c in cuts)
+    spans = list(zip(spans_at[::2], spans_at[1::2], strict=False))  # may be empty or zero-width
+    enc = tok.encode(text, add_special_tokens=False)
+    fast = tok.encode_batch_fast([text], add_special_tokens=False)[0]
+    assert fast.ids == enc.ids
+    ids = np.asarray(enc.ids + [0], dtype=np.int32)  # one trailing token with no text, as EOS
+    got = byte_spans.labels(ids, len(enc.ids), text, spans)
+    if got is None:  # only where the model dropped a byte it has no token for
+        assert which == "smollm2" and any(ch in text for ch in SMOLLM2_DROPS)
+        return
+    want = span_labels(ids, enc, spans)
+    assert np.array_equal(got[0], want[0]) and got[1] == want[1]
+
+
+def test_a_text_with_a_dropped_byte_falls_back_to_offsets(tmp_path):
+    """SmolLM2 drops ``\\x04``: the stage notices the ids no longer tile the text and uses offsets."""
+    records = [{"instruction": "Say\x04 it", "output": "ok\x04 done \U00040000 é"}, {"instruction": "Q", "output": "A"}]
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = make_config([{"path": str(path), "type": "alpaca"}], tokenizer=SMOLLM2)
+    fast, fast_counts, tok = _stage_output(cfg, fast=True)
+    slow, slow_counts, _ = _stage_output(cfg, fast=False)
+    assert tok.byte_spans is not None
+    assert fast == slow and fast_counts == slow_counts
+    labels = fast[0]["labels"][0]
+    trained = [t for t, lab in zip(fast[0]["input_ids"][0], labels, strict=True) if lab != IGNORE_INDEX]
+    assert "ok" in tok.hf.decode(trained) and "Say" not in tok.hf.decode(trained)
