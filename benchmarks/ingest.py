@@ -6,7 +6,8 @@ Run (about 5 minutes on 2 cores; ``--quick`` about 1 minute)::
 
 Side by side, in one process tree, on the same cores, the same data and the same GPT-2 tokenizer:
 
-1. raw ceiling: the fast tokenizer's ``encode_batch`` on the same formatted texts, at 1 and 2 threads
+1. raw ceiling: the fast tokenizer's ``encode_batch_fast`` (ids, no offsets) on the same formatted texts,
+   at 1 and 2 threads; ``encode_batch`` (with offsets) at 2 threads beside it
    (``RAYON_NUM_THREADS``, set in a child process so it takes effect);
 2. HF ``datasets``: ``load_dataset("json", data_files=..., streaming=True).map(batched=True)``;
 3. ours: ``build_dataset`` on a fresh local Ray instance, iterated to the end (``ds.iter_batches``),
@@ -88,10 +89,13 @@ def run_ingest(work: Path, n_records: int, repeats: int, cpus: int, sweep: list[
                                      "bytes": bl.data_bytes(data_dir), "cpus": cpus}}
     kw = {"log_dir": log_dir}
     for threads in (1, 2):
-        say(f"  raw encode_batch, {threads} thread(s) ...", flush=True)
+        say(f"  raw encode_batch_fast, {threads} thread(s) ...", flush=True)
         res[f"raw {threads}t"] = bl.run_system("raw", raw_params(data_dir, passes=max(3, repeats)),
                                                env={"RAYON_NUM_THREADS": str(threads),
                                                     "TOKENIZERS_PARALLELISM": "true"}, **kw)
+    say("  raw encode_batch (offsets), 2 threads ...", flush=True)
+    res["raw offsets 2t"] = bl.run_system("raw", {**raw_params(data_dir, passes=max(3, repeats)), "call": "encode_batch"},
+                                          env={"RAYON_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "true"}, **kw)
     say("  HF datasets streaming + map ...", flush=True)
     res["hf_stream"] = bl.repeat_system("hf_stream", {"tokenizer": str(bl.GPT2), "data": str(data_dir)}, repeats,
                                         env={"RAYON_NUM_THREADS": str(cpus)}, **kw)
@@ -171,8 +175,9 @@ def ingest_rows(res: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
                      ratio(r, raw2), ratio(r, hf), ratio(r, hf, "e2e_tok_s"), r.get("init_s"), r.get("ttfb_s"),
                      r.get("cold_ttfb_s"), r.get("peak_rss_mb"), r.get("cpu_s_per_mtok"), r.get("repeats", 1)])
 
-    add("raw encode_batch, 1 thread", res.get("raw 1t"))
-    add("raw encode_batch, 2 threads (ceiling)", raw2)
+    add("raw encode_batch_fast, 1 thread", res.get("raw 1t"))
+    add("raw encode_batch_fast, 2 threads (ceiling)", raw2)
+    add("raw encode_batch (with offsets), 2 threads", res.get("raw offsets 2t"))
     add("HF datasets streaming + map", hf)
     best = res.get("ours_best")
     for name, r in res.get("ours_sweep", {}).items():

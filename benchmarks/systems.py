@@ -103,7 +103,8 @@ def load_hf_tokenizer(path: str) -> Any:
 
 
 def sys_raw(p: dict[str, Any]) -> dict[str, Any]:
-    """The fast tokenizer's ``encode_batch`` alone (RAYON_NUM_THREADS is set by the parent)."""
+    """The fast tokenizer alone (RAYON_NUM_THREADS is set by the parent): ``call`` is ``encode_batch_fast``
+    (ids without offsets: the ceiling, and what ours calls for byte-level BPE) or ``encode_batch``."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(Path(p["tokenizer"]) / "tokenizer.json"))
@@ -116,19 +117,20 @@ def sys_raw(p: dict[str, Any]) -> dict[str, Any]:
     else:
         texts = [alpaca_text(r, p["eos"]) for r in read_records(p["data"])]
     bs = int(p.get("batch_size", 1024))
-    tok.encode_batch(texts[:bs])  # warm-up
+    encode = getattr(tok, p.get("call", "encode_batch_fast"))
+    encode(texts[:bs])  # warm-up
     times, tokens = [], 0
     for _ in range(int(p.get("passes", 3))):
         t0 = time.perf_counter()
         tokens = 0
         for s in range(0, len(texts), bs):
-            tokens += sum(len(e.ids) for e in tok.encode_batch(texts[s : s + bs]))
+            tokens += sum(len(e.ids) for e in encode(texts[s : s + bs]))
         times.append(time.perf_counter() - t0)
     t = float(np.median(times))
     return {"init_s": 0.0, "ttfb_s": None, "total_s": t, "tokens": tokens, "rows": len(texts),
             "steady_tok_s": tokens / t, "e2e_tok_s": tokens / t, "docs": len(texts),
             "mean_doc_tokens": tokens / max(1, len(texts)), "pass_s": times,
-            "threads": os.environ.get("RAYON_NUM_THREADS")}
+            "threads": os.environ.get("RAYON_NUM_THREADS"), "call": p.get("call", "encode_batch_fast")}
 
 
 def sys_load(p: dict[str, Any]) -> dict[str, Any]:
@@ -253,7 +255,7 @@ def sys_ours_local(p: dict[str, Any]) -> dict[str, Any]:
 def sys_stage(p: dict[str, Any]) -> dict[str, Any]:
     """Where ours' time goes, in one process: ``iter_packed_local`` with its Tokenizer and Packer timed.
 
-    ``encode_s`` is the fast tokenizer's ``encode_batch`` inside the Tokenizer stage; the rest of
+    ``encode_s`` is the fast tokenizer's batch call inside the Tokenizer stage; the rest of
     ``tokenize_s`` is Python per sample (JSON parse, prompt formatting, label spans); ``other_s`` is
     reading and splitting files. Threads: ``data.tokenize.threads`` = RAYON_NUM_THREADS (set by the parent).
     """

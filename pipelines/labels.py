@@ -71,6 +71,14 @@ def _bytes_to_unicode() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
+_BYTE_CHARS = frozenset(_bytes_to_unicode())
+
+
+def _state(component: Any) -> dict[str, Any] | None:
+    """A tokenizer component (pre-tokenizer, post-processor) as its tokenizer.json object, or None."""
+    return None if component is None else json.loads(component.__getstate__())
+
+
 def _keeps_bytes(pre: dict[str, Any]) -> bool:
     """Whether one pre-tokenizer (tokenizer.json form) only splits: no bytes added, dropped or changed."""
     kind = pre.get("type")
@@ -108,28 +116,20 @@ class ByteSpans:
     @classmethod
     def for_tokenizer(cls, tok: Any) -> ByteSpans | None:
         """For a ``tokenizers.Tokenizer`` whose tokens tile the text's bytes, else None."""
-        if not hasattr(tok, "encode_batch_fast"):
+        if not hasattr(tok, "encode_batch_fast") or tok.model.__class__.__name__ != "BPE":
             return None
-        spec = json.loads(tok.to_str())
-        model = spec.get("model") or {}
-        if (spec.get("normalizer") is not None or model.get("type") != "BPE" or not _byte_level_pre(spec.get("pre_tokenizer"))
-                or not _untrimmed_post(spec.get("post_processor"))):
+        if (tok.normalizer is not None or not _byte_level_pre(_state(tok.pre_tokenizer))
+                or not _untrimmed_post(_state(tok.post_processor))):
             return None
-        alphabet = _bytes_to_unicode()
-        vocab = model.get("vocab", {})
-        size = tok.get_vocab_size(with_added_tokens=True)
-        lengths = np.full(size, -1, dtype=np.int64)
-        added = {a["id"]: a for a in spec.get("added_tokens", [])}
-        for token, i in vocab.items():
-            if i in added:
-                continue
-            if not all(ch in alphabet for ch in token):
-                return None  # not a byte-level vocabulary
-            lengths[i] = len(token)
-        for i, a in added.items():
-            if a.get("lstrip") or a.get("rstrip") or i >= size:
+        vocab = tok.get_vocab(with_added_tokens=False)  # the model's own tokens, as byte-level strings
+        if not set("".join(vocab)) <= _BYTE_CHARS:
+            return None  # not a byte-level vocabulary
+        lengths = np.full(tok.get_vocab_size(with_added_tokens=True), -1, dtype=np.int64)
+        lengths[np.fromiter(vocab.values(), np.int64, len(vocab))] = np.fromiter(map(len, vocab), np.int64, len(vocab))
+        for i, added in tok.get_added_tokens_decoder().items():  # matched in the raw text, before the model
+            if added.lstrip or added.rstrip or i >= len(lengths):
                 return None  # stripped whitespace would not be in the token's bytes
-            lengths[i] = len(a["content"].encode("utf-8"))
+            lengths[i] = len(added.content.encode("utf-8"))
         if (lengths < 0).any():
             return None
         post = tok.post_processor
