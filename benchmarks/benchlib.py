@@ -201,7 +201,7 @@ def run_system(name: str, params: dict[str, Any], timeout: float = 600, env: dic
             with TreeRSS(proc.pid) as rss:
                 out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            kill_group(proc)
             out, _ = proc.communicate()
             return {"error": f"timed out after {timeout:.0f} s", "system": name}
     wall = time.perf_counter() - t0
@@ -222,7 +222,7 @@ def run_system(name: str, params: dict[str, Any], timeout: float = 600, env: dic
     return result
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen) -> None:
     """End the child's own session (it was started with start_new_session, so only what it started)."""
     import signal
 

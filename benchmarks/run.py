@@ -320,18 +320,21 @@ def run_external(script: str, ctx: dict[str, Any], min_timeout: float = 0.0) -> 
     env = {**os.environ, **bl.CHILD_ENV, "PYTHONPATH": os.pathsep.join([str(bl.ROOT), str(bl.BENCH_DIR)])}
     timeout = max(ctx["external_timeout"], min_timeout)
     t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=bl.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=bl.ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-                              start_new_session=True)
+        out, err_text = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        bl.kill_group(proc)  # the script's own children too (mds_read.py's moto server)
+        proc.communicate()
         return {"status": NA, "why": f"benchmarks/{script} ran past {timeout:.0f} s"}
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        err = (proc.stderr or proc.stdout).strip().splitlines()
-        if ctx["quick"] and proc.returncode == 2 and "unrecognized arguments" in proc.stderr:
+        err = (err_text or out).strip().splitlines()
+        if ctx["quick"] and proc.returncode == 2 and "unrecognized arguments" in err_text:
             return {"status": NA, "why": f"benchmarks/{script} has no --quick mode (not run in --quick)"}
         return {"status": NA, "why": f"benchmarks/{script} failed (exit {proc.returncode}): {' | '.join(err[-4:])[-400:]}"}
-    lines = proc.stdout.splitlines()
+    lines = out.splitlines()
     parsed, text = [], []
     for ln in lines:
         tag = next((t for t in RESULT_TAGS if ln.startswith(t)), None)
