@@ -71,7 +71,7 @@ def test_quick_numbers_are_real(quick_run):
     _, md, results, _ = quick_run
     ing = results["ingest"]
     # B1 ceiling and the systems of B2 measured real throughput.
-    for key in ("raw 1t", "raw 2t", "hf_stream"):
+    for key in ("raw 1t", "raw 2t", "raw offsets 2t", "hf_stream"):
         assert "error" not in ing[key], ing[key]
         assert ing[key]["steady_tok_s"] > 0 and ing[key]["tokens"] > 100_000
     ours = ing["ours"]
@@ -100,7 +100,8 @@ def test_quick_numbers_are_real(quick_run):
     bfd = [r for r in rows if r["strategy"].startswith("bfd (ours") and r["split_share"] == 0]
     assert len(bfd) == 6  # bfd never splits a sample
     # Tables in the markdown carry numbers, not placeholders, for the measured rows.
-    assert re.search(r"\| raw|Alpaca prompts \(short\) \| 2 \| \d+\.\d+ M", md)
+    assert re.search(r"\| Alpaca prompts \(short\) \| encode_batch_fast \| 2 \| \d+\.\d+ M", md)
+    assert re.search(r"\| Alpaca prompts \(short\) \| encode_batch \(offsets\) \| 2 \| \d+\.\d+ M", md)
     assert re.search(r"\| gpt2 \| 2048 \| bfd \(ours[^|]*\| \d+\.\d+% \|", md)
     # Skipped B5-B7 are reported, not dropped.
     assert md.count("not available: not run (--only / --skip)") == 3
