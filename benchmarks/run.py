@@ -656,7 +656,7 @@ def write_report(ctx: dict[str, Any], out_md: Path, plots: list[str], plot_rel: 
         *(["> DRAFT from `--quick` (tiny data, one repeat, possibly a busy machine): a smoke test of the tables, "
            f"not numbers to quote. The real ones come from `{FULL_CMD}` on a quiet machine.", ""] if ctx["quick"] else []),
         f"Produced by: `{ctx['command']}` ({mode}); the numbers below are from that one run.",
-        f"Full run: `{FULL_CMD}` (about 50 min on 2 cores, B6 alone 25 min; rewrites this file and `benchmarks/results/*.png`). "
+        f"Full run: `{FULL_CMD}` (25-50 min on 2 cores, by host: 25.5 min on 2026-12-03, B6 alone 13-25 min; rewrites this file and `benchmarks/results/*.png`). "
         "Smoke test: `.venv/bin/python benchmarks/run.py --quick` (< 3 min, writes to a temp dir). "
         "Issue 2's stand-alone ingest table: `.venv/bin/python benchmarks/ingest.py`.",
         "",
