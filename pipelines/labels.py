@@ -120,6 +120,8 @@ class ByteSpans:
         """For a ``tokenizers.Tokenizer`` whose tokens tile the text's bytes, else None."""
         if not hasattr(tok, "encode_batch_fast") or tok.model.__class__.__name__ != "BPE":
             return None
+        if tok.model.continuing_subword_prefix or tok.model.end_of_word_suffix:
+            return None  # "##ab" stands for 2 bytes, not 4
         if (tok.normalizer is not None or not _byte_level_pre(_state(tok.pre_tokenizer))
                 or not _untrimmed_post(_state(tok.post_processor))):
             return None

@@ -72,7 +72,8 @@ def test_fast_path_gives_the_offsets_path_output_on_real_corpora(name, path, kin
 
 
 def test_byte_spans_only_for_tokenizers_whose_tokens_tile_the_text():
-    from tokenizers import normalizers, pre_tokenizers, processors
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models, normalizers, pre_tokenizers, processors
 
     assert ByteSpans.for_tokenizer(_rust(GPT2)) is not None
     assert ByteSpans.for_tokenizer(_rust(SMOLLM2)) is not None
@@ -84,7 +85,13 @@ def test_byte_spans_only_for_tokenizers_whose_tokens_tile_the_text():
     trimmed.post_processor = processors.ByteLevel(trim_offsets=True)
     bos = _rust(SMOLLM2)
     bos.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
-    for tok in (lower, prefix, trimmed):
+    suffixed = RustTokenizer(models.BPE(vocab={"a": 0, "b": 1, "b</w>": 2, "ab</w>": 3}, merges=[("a", "b</w>")],
+                                        end_of_word_suffix="</w>"))  # "ab</w>" is 2 bytes of text
+    suffixed.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    unsuffixed = RustTokenizer(models.BPE(vocab={"a": 0, "b": 1, "ab": 2}, merges=[("a", "b")]))
+    unsuffixed.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert ByteSpans.for_tokenizer(unsuffixed) is not None  # the same shape without the suffix is accepted
+    for tok in (lower, prefix, trimmed, suffixed):
         assert ByteSpans.for_tokenizer(tok) is None
     with_bos = ByteSpans.for_tokenizer(bos)  # tiles the text only when the post-processor adds nothing
     assert with_bos is not None and not with_bos.usable(True) and with_bos.usable(False)
