@@ -22,8 +22,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-GPT2 = ROOT.parent / "shared" / "data" / "tokenizers" / "gpt2"
+import benchlib as bl
+from ingest import ours_params
+
 KEYS = ("steady_tok_s", "e2e_tok_s", "encode_s", "tokenize_s", "ttfb_s", "cpu_s_per_mtok", "error")
 CHILD = """
 import json, sys
@@ -36,11 +37,12 @@ print('AB ' + json.dumps(r))
 """
 
 
-def systems(data: Path, tokenizer: Path) -> dict[str, tuple[dict, dict | None]]:
-    """``stage``: ours' stages in one process at 2 threads; ``ours``: ``build_dataset`` through Ray, default pool."""
+def systems(data: Path) -> dict[str, tuple[dict, dict | None]]:
+    """``stage``: ours' stages in one process at 2 threads (as B1); ``ours``: ``build_dataset`` through Ray,
+    default pool (as B2)."""
     return {
-        "stage": ({"tokenizer": str(tokenizer), "data": str(data)}, {"RAYON_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "true"}),
-        "ours": ({"tokenizer": str(tokenizer), "data": str(data), "cpus": 2, "data_overrides": {}}, None),
+        "stage": ({"tokenizer": str(bl.GPT2), "data": str(data)}, {"RAYON_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "true"}),
+        "ours": (ours_params(data, 2), None),
     }
 
 
@@ -56,11 +58,10 @@ def main() -> None:
     ap.add_argument("before", type=Path, help="checkout of the code before the change")
     ap.add_argument("after", type=Path, help="checkout of the code after it")
     ap.add_argument("--data", type=Path, required=True, help="a directory of Alpaca JSONL shards (run.py's B2 data)")
-    ap.add_argument("--tokenizer", type=Path, default=GPT2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--systems", default="stage,ours")
     args = ap.parse_args()
-    chosen = {k: v for k, v in systems(args.data.resolve(), args.tokenizer).items() if k in args.systems.split(",")}
+    chosen = {k: v for k, v in systems(args.data.resolve()).items() if k in args.systems.split(",")}
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     results: dict[str, dict[str, list[dict]]] = {t: {s: [] for s in chosen} for t in trees}
     for rep in range(args.repeats):

@@ -153,8 +153,7 @@ class Tokenizer:
             idx = [i for i, f in enumerate(items) if f.add_special_tokens is flag]
             if not idx:
                 continue
-            fast = self.byte_spans is not None and self.byte_spans.usable(flag)
-            encode = self.backend.encode_batch_fast if fast else self.backend.encode_batch
+            encode = self.backend.encode_batch_fast if self._fast(flag) else self.backend.encode_batch
             step = self.data.tokenize.batch_size
             for c in range(0, len(idx), step):
                 chunk = idx[c : c + step]
@@ -162,13 +161,17 @@ class Tokenizer:
                     out[i] = enc
         return out
 
+    def _fast(self, add_special_tokens: bool) -> bool:
+        """Whether texts encoded with this flag go without offsets (their labels then come from the ids)."""
+        return self.byte_spans is not None and self.byte_spans.usable(add_special_tokens)
+
     def _labels(self, ids: np.ndarray, n_text: int, enc: Any, f: Formatted) -> tuple[np.ndarray, int]:
         """Labels of ``ids`` (the first ``n_text`` encoded from ``f.text``) and the span straddles.
 
         ``enc`` came without offsets when the fast path applies (:meth:`_encode`); where its ids turn
         out not to tile the text (:meth:`ByteSpans.labels` is None), the text is encoded again with them.
         """
-        if self.byte_spans is not None and self.byte_spans.usable(f.add_special_tokens):
+        if self._fast(f.add_special_tokens):
             fast = self.byte_spans.labels(ids, n_text, f.text, f.spans)
             if fast is not None:
                 return fast
