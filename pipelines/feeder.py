@@ -24,8 +24,10 @@ block A (source 0) and 1 row of block B::
 
 The global row order does not depend on the world size, so a run checkpointed with 2 workers
 resumes with 1 (or 1 with 2) at the same row. Ranks fetch items by index through
-:class:`FeederClient`, which prefetches, taking every ready item (up to 4) per call and fetching
-the blocks of those items with one ``ray.get``, each block once; the feeder prefetches too, in a thread.
+:class:`FeederClient`, which prefetches, taking every ready item (up to 8) per call and fetching
+the blocks of those items with one ``ray.get``, each block once; after its first calls a request waits
+until a whole batch is ready, so the feeder answers one call per rank per 8 steps, not one per step.
+The feeder prefetches too, in a thread, up to 16 items ahead of the slowest rank.
 ``commit(item)`` returns the state to checkpoint and writes the ledger of the steps up to it.
 The state after an epoch's last step already says the epoch is done (the feeder looks one row
 ahead), so a checkpoint taken there resumes in the next epoch, not in an empty rest of this one.
@@ -280,7 +282,7 @@ class Feeder:
     """
 
     def __init__(self, cfg_dict: dict, base_dir: str, world_size: int, rows_per_rank: int, epochs: int,
-                 state: dict | None = None, ledger_root: str | None = None, prefetch_items: int = 4,
+                 state: dict | None = None, ledger_root: str | None = None, prefetch_items: int = 16,
                  plan: StreamPlan | None = None) -> None:
         self.cfg = config_from_dict(cfg_dict, base_dir=base_dir)
         data_context = ray.data.DataContext.get_current()  # this process's streams
@@ -357,18 +359,25 @@ class Feeder:
             self._cond.notify_all()
 
     # ---- served to ranks
-    def get(self, index: int, rank: int, most: int = 1) -> list[RankItem]:
-        """Items ``index, index + 1, ...`` for ``rank``: blocks until item ``index`` is produced, then
-        also takes the items after it that are already produced, ``most`` in all (one call, not
-        ``most``: the feeder's cost is per call). ``[]`` when the training data is over.
+    def get(self, index: int, rank: int, most: int = 1, least: int = 1) -> list[RankItem]:
+        """Items ``index, index + 1, ...`` for ``rank``: blocks until items ``index`` to
+        ``index + least - 1`` are produced (fewer when the stream ends after ``index``), then also
+        takes the items after them that are already produced, ``most`` in all: one call, not ``most``
+        (the feeder's cost is per call). ``[]`` when the training data is over.
+
+        ``least`` is capped at the feeder's prefetch window, which the items of the slowest rank
+        always fit, so a rank waiting for a full batch never waits on itself.
         """
+        least = max(1, min(least, most, self.max_items))
         with self._cond:
-            while index not in self._items:
+            while not all(i in self._items for i in range(index, index + least)):
+                if index in self._items and (self._finished or self._error is not None):
+                    break  # the stream ended after some of them: serve those
                 if index in self._served:
                     raise KeyError(f"item {index} was already served to every rank")
                 if self._error is not None:
                     raise RuntimeError(f"data feeder failed: {self._error!r}") from self._error
-                if self._finished and index not in self._items:
+                if self._finished:
                     return []
                 self._cond.wait(timeout=1.0)
             out: list[RankItem] = []
@@ -429,22 +438,36 @@ DataFeeder = ray.remote(num_cpus=0, max_concurrency=feeder_concurrency(28))(Feed
 class FeederClient:
     """A rank's view of the feeder: ``next()`` returns the next :class:`RankItem` for this rank.
 
-    It keeps one request in flight, for the items after those it holds, and each request takes up to
-    ``batch`` items that are ready: one actor call per ``batch`` steps when the feeder is ahead. The
-    blocks of a response are fetched with one ``ray.get`` (a block the previous response used is
-    kept, not fetched again), so a rank fetches each block once, not once per step.
+    It keeps one request in flight, for the items after those it holds; each request takes up to
+    ``batch`` items, and waits until :meth:`_least` of them are ready: one actor call per ``batch``
+    steps. The blocks of a response are fetched with one ``ray.get`` (a block the previous response
+    used is kept, not fetched again), so a rank fetches each block once, not once per step.
     """
 
-    def __init__(self, feeder: Any, rank: int, start_index: int = 0, batch: int = 4) -> None:
+    def __init__(self, feeder: Any, rank: int, start_index: int = 0, batch: int = 8) -> None:
         self.feeder, self.rank, self.index, self.batch = feeder, rank, start_index, batch
         self._ready: deque[RankItem] = deque()  # items index, index + 1, ... already here
         self._pending: Any = None  # the request for the items after them
         self._blocks: dict[Any, BlockColumns] = {}  # the blocks of the last response
         self._over = False
+        self._start = start_index
+
+    def _least(self, first: int) -> int:
+        """How many items a request waits for: as many as the rank has received, up to ``batch``.
+
+        Worked example, ``batch`` 8, the feeder never ahead: requests wait for 1, 1, 2, 4, 8, 8, ...
+        items. Waiting for one (the old rule) let a rank that keeps pace with the feeder get one item
+        per call, as each was produced: at 64 ranks, 64 calls per step, the main cost of the feeder
+        and of each rank (benchmarks/feeder_scale.py). Doubling from one keeps the first steps as
+        quick as before while the stream is still starting. The wait cannot deadlock: the feeder caps
+        it at its window, which always holds the slowest rank's next items.
+        """
+        return max(1, min(self.batch, first - self._start))
 
     def _request(self) -> None:
         if self._pending is None and not self._over:
-            self._pending = self.feeder.get.remote(self.index + len(self._ready), self.rank, self.batch)
+            first = self.index + len(self._ready)
+            self._pending = self.feeder.get.remote(first, self.rank, self.batch, self._least(first))
 
     def next(self) -> RankItem | None:
         self._request()

@@ -184,3 +184,39 @@ def test_a_rank_fetches_each_block_once_and_gets_exactly_its_rows(ray_local, mon
     # A block that is a slice of a larger table: its list offsets index the whole values buffer.
     sliced = BlockColumns(pa.table(rows[1]).slice(2, 3))
     assert [r.tolist() for r in sliced.rows("input_ids", 1, 3)] == rows[1]["input_ids"][3:5]
+
+
+class _Recorder:
+    """Stands in for the feeder's handle in a client: forwards ``get`` and keeps each request and its answer."""
+
+    def __init__(self, feeder) -> None:
+        self.feeder, self.requests = feeder, []  # (first, least, answer ref)
+        self.get = self  # the client calls ``self.feeder.get.remote(...)``
+
+    def remote(self, first: int, rank: int, most: int, least: int):
+        ref = self.feeder.get.remote(first, rank, most, least)
+        self.requests.append((first, least, ref))
+        return ref
+
+
+def test_a_rank_takes_whole_batches_after_a_doubling_start_and_gets_the_same_rows(tmp_path, ray_local):
+    cfg = _config(tmp_path)
+    one_by_one, _ = drive(None, 2, clients=[FeederClient(f, r, batch=1) for f in [start_feeder(cfg, 2, 1, None, None)]
+                                            for r in range(2)])
+    feeder = start_feeder(cfg, 2, 1, None, None)
+    recorders = [_Recorder(feeder) for _ in range(2)]
+    batched, _ = drive(None, 2, clients=[FeederClient(rec, r, batch=8) for r, rec in enumerate(recorders)])
+    assert batched == one_by_one and len(batched) > 60  # the same rows per rank per step
+
+    items = len(batched) + 1  # the steps and the epoch-end item
+    for rec in recorders:
+        answers = [ray.get(ref) for _, _, ref in rec.requests]
+        # a request waits for as many items as the rank has received, up to the batch (at most doubling)
+        assert [least for _, least, _ in rec.requests] == [max(1, min(8, first)) for first, _, _ in rec.requests]
+        assert max(least for _, least, _ in rec.requests) == 8
+        for (first, least, _), got in zip(rec.requests, answers, strict=True):
+            assert [it.index for it in got] == list(range(first, first + len(got)))
+            # each answer holds at least ``least`` items, unless the data ended first
+            assert len(got) >= least or first + len(got) == items
+        assert sum(map(len, answers)) == items and answers[-1] == []
+        assert len(answers) <= 4 + -(-(items - 7) // 8) + 1  # 1+1+2+4 items, then batches of 8, then []
