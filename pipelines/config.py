@@ -240,8 +240,9 @@ class DataConfig(_Strict):
     read_tasks: int = Field(8, gt=0, description="Read tasks (each owns a contiguous group of whole files).")
     read_concurrency: int | Literal["auto"] | None = Field(
         "auto", description="Read tasks running at once; auto: one per tokenizer actor of the pool at its largest (1 "
-        "on a 2-CPU machine, where B2 is ~30% faster than with Ray's default), Ray's default when every source is "
-        "pre-tokenized MDS; null: as many as the CPUs allow (Ray's default)."
+        "on a 2-CPU machine, where B2 is ~30% faster than with Ray's default), one per CPU of the cluster when every "
+        "source is pre-tokenized MDS (and no more read tasks than that: one round); null: as many as the CPUs allow "
+        "(Ray's default)."
     )
     mix_by: Literal["tokens", "samples", "none"] = Field(
         "tokens", description="Several datasets: keep each one's share of tokens (or samples) at its weight; "

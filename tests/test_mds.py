@@ -211,16 +211,25 @@ def test_pretokenized_sets_pack_inside_the_read_tasks(ray_local, tmp_path, gpt2)
     chunks = _concat_chunks(gpt2, texts, 200)  # 200-token samples: concat packing makes 512-token rows
     root = mosaic_write(tmp_path / "concat", [{"tokens": c} for c in chunks], "zstd", size_limit=1 << 13,
                         columns={"tokens": "ndarray:int32"})
-    cfg = make_config([{"path": str(root), "type": "completion"}], sequence_len=512, packing="concat",
-                      read_tasks=2, deterministic=True)
-    table = resolve_sources(cfg)
-    assert len(table.files) > 4 and all_pretokenized(table, list(range(len(table.files))))
-    want = pa.concat_tables(iter_packed_local(cfg)).select(["input_ids", "labels", "position_ids", "sample_ids"])
-    ds = build_dataset(cfg)
-    got = pa.concat_tables(ds.iter_batches(batch_size=None, batch_format="pyarrow")).select(want.column_names)
-    assert got.num_rows > 20 and got.to_pylist() == want.to_pylist()
-    assert sum(len(r) for r in got.column("input_ids").to_pylist()) == sum(len(c) for c in chunks)
-    assert "ReadShards->MapBatches(_check_and_pack)" in ds.stats()  # fused: one operator, tasks only
+    import ray
+    from ray.data._internal.logical.operators.read_operator import Read
+
+    cpus = int(ray.cluster_resources()["CPU"])
+    for read_tasks in (2, 8):  # 8, the default: no more tasks than run at once (one per CPU), same rows
+        cfg = make_config([{"path": str(root), "type": "completion"}], sequence_len=512, packing="concat",
+                          read_tasks=read_tasks, deterministic=True)
+        table = resolve_sources(cfg)
+        assert len(table.files) > 4 and all_pretokenized(table, list(range(len(table.files))))
+        want = pa.concat_tables(iter_packed_local(cfg)).select(["input_ids", "labels", "position_ids", "sample_ids"])
+        ds = build_dataset(cfg)
+        read_op = ds._logical_plan.dag
+        while not isinstance(read_op, Read):
+            (read_op,) = read_op.input_dependencies
+        assert read_op.compute.size == cpus == 2 and read_op.parallelism == min(read_tasks, cpus)
+        got = pa.concat_tables(ds.iter_batches(batch_size=None, batch_format="pyarrow")).select(want.column_names)
+        assert got.num_rows > 20 and got.to_pylist() == want.to_pylist()
+        assert sum(len(r) for r in got.column("input_ids").to_pylist()) == sum(len(c) for c in chunks)
+        assert "ReadShards->MapBatches(_check_and_pack)" in ds.stats()  # fused: one operator, tasks only
 
     mixed = make_config([{"path": str(root), "type": "completion"}, {"path": str(ALPACA), "type": "alpaca"}])
     mixed_table = resolve_sources(mixed)

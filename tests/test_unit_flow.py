@@ -182,8 +182,10 @@ def test_read_concurrency_follows_the_tokenizer_pool():
     assert read_concurrency(cfg(tokenize={"num_actors": 3}, **auto), token_ids=False) == 3
     assert read_concurrency(cfg(tokenize={"num_actors": "auto", "num_cpus": 1.0}, **auto), False, cpus=2) == 1
     assert read_concurrency(cfg(tokenize={"num_actors": "auto", "num_cpus": 1.0}, **auto), False, cpus=16) == 15
-    # pre-tokenized sets: the reads do the packing, so Ray's own cap (the CPUs) applies
-    assert read_concurrency(cfg(tokenize={"num_actors": 1}, **auto), token_ids=True) is None
+    # pre-tokenized sets: the reads do the packing, one per CPU (Ray's own cap would be one per read_num_cpus)
+    assert read_concurrency(cfg(tokenize={"num_actors": 1}, **auto), token_ids=True, cpus=2) == 2
+    assert read_concurrency(cfg(tokenize={"num_actors": 1}, **auto), token_ids=True, cpus=16.5) == 16
+    assert read_concurrency(cfg(**auto), token_ids=True, cpus=0.5) == 1
     # set explicitly: as set, either way
     assert read_concurrency(cfg(read_concurrency=4), token_ids=False) == 4
     assert read_concurrency(cfg(read_concurrency=2), token_ids=True) == 2
