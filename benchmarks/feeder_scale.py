@@ -307,6 +307,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.set_title("feeder_scale: tokens/s vs N")
     ax.legend()
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
 
 

@@ -312,11 +312,11 @@ def b3_md(b3: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- B5-B7 (external scripts)
 
 
-def run_external(script: str, ctx: dict[str, Any], min_timeout: float = 0.0) -> dict[str, Any]:
+def run_external(script: str, ctx: dict[str, Any], min_timeout: float = 0.0, args: tuple[str, ...] = ()) -> dict[str, Any]:
     path = bl.BENCH_DIR / script
     if not path.is_file():
         return {"status": NA, "why": f"benchmarks/{script} is not there yet"}
-    cmd = [bl.PY, str(path)] + (["--quick"] if ctx["quick"] else [])
+    cmd = [bl.PY, str(path)] + (["--quick"] if ctx["quick"] else []) + list(args)
     env = {**os.environ, **bl.CHILD_ENV, "PYTHONPATH": os.pathsep.join([str(bl.ROOT), str(bl.BENCH_DIR)])}
     timeout = max(ctx["external_timeout"], min_timeout)
     t0 = time.perf_counter()
@@ -832,7 +832,8 @@ def main(argv: list[str] | None = None) -> int:
     # Full B6 takes ~25 min (its conversion case converts 200 MB three times each way).
     section("B6", lambda c: run_external("mds_read.py", c, min_timeout=0 if c["quick"] else 2700))
     section("B7", lambda c: run_external("resume.py", c))
-    section("B8", lambda c: run_external("feeder_scale.py", c, min_timeout=600))  # quick: ~90 s alone, Ray start
+    b8_plot = () if args.quick else ("--plot", str(plot_dir / "feeder_scale.png"))  # --out: not the repository's
+    section("B8", lambda c: run_external("feeder_scale.py", c, min_timeout=600, args=b8_plot))  # quick: ~90 s alone
 
     ctx["elapsed"] = time.perf_counter() - t_start
     ctx["load_end"] = [round(x, 2) for x in os.getloadavg()]
