@@ -225,6 +225,7 @@ def test_pretokenized_sets_pack_inside_the_read_tasks(ray_local, tmp_path, gpt2)
         read_op = ds._logical_plan.dag
         while not isinstance(read_op, Read):
             (read_op,) = read_op.input_dependencies
+        # 2 CPUs (the fixture's): with 8 or more, min(read_tasks, cpus) would be read_tasks either way
         assert read_op.compute.size == cpus == 2 and read_op.parallelism == min(read_tasks, cpus)
         got = pa.concat_tables(ds.iter_batches(batch_size=None, batch_format="pyarrow")).select(want.column_names)
         assert got.num_rows > 20 and got.to_pylist() == want.to_pylist()
