@@ -43,6 +43,34 @@ needs_shared = pytest.mark.skipif(
 RAY_LOCAL_INIT = {"num_cpus": 2, "include_dashboard": False, "log_to_driver": False}
 
 
+@pytest.fixture(autouse=True)
+def _no_pool_actor_outlives_its_test():
+    """After each test, kill the Ray Data actor-pool workers it left alive in this process's Ray.
+
+    A stream that fails while its tokenizer actor is still being created can leave that actor alive
+    (Ray Data's abort misses it): it keeps its CPU, and a later test's tasks wait for that CPU until
+    the test times out. Seen in CI on 2026-12-03: the malformed-JSON case of
+    ``test_nothing_is_read_before_iteration`` left one (created 40 ms before the abort), and
+    ``test_train_e2e``'s worker-failure run then waited 15 minutes for its map task. No stream of
+    these tests is meant to outlive the test that opened it.
+    """
+    yield
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return
+    import logging
+
+    from ray._private import state
+    from ray._raylet import ActorID
+
+    left = [a for a, info in state.actors().items()
+            if info["State"] == "ALIVE" and info["ActorClassName"].startswith("MapWorker(")]
+    for actor_id in left:
+        ray._private.worker.global_worker.core_worker.kill_actor(ActorID.from_hex(actor_id), True)
+    if left:
+        logging.getLogger(__name__).warning("killed %d Ray Data pool actor(s) left alive by the test", len(left))
+
+
 @pytest.fixture(scope="session")
 def ray_local(s3_env):  # noqa: F811 (the fixture imported below)
     """One local Ray instance on 127.0.0.1 for the whole pytest run.
