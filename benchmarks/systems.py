@@ -272,10 +272,10 @@ def sys_stage(p: dict[str, Any]) -> dict[str, Any]:
             finally:
                 timers["tokenize_s"] += time.perf_counter() - t0
 
-        def _encode(self, items: list) -> list:
+        def _encode(self, texts: list, add_special_tokens: bool) -> list:
             t0 = time.perf_counter()
             try:
-                return super()._encode(items)
+                return super()._encode(texts, add_special_tokens)
             finally:
                 timers["encode_s"] += time.perf_counter() - t0
 

@@ -146,28 +146,66 @@ class ByteSpans:
 
     def labels(self, ids: np.ndarray, n_text: int, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, int] | None:
         """As :func:`span_labels`, for ``ids`` whose first ``n_text`` come from ``text`` (the rest, e.g.
-        EOS, stay -100): the token holding a span's first byte to the token holding its last character's
-        first byte (as ``char_to_token`` of the last character), and how many start before the span.
-
-        None when the ids do not tile the text's bytes after all: a byte with no token of its own in
-        the vocabulary is dropped by the model (SmolLM2 has none for ``0x04`` or ``0xf1``), so the
-        tokens' byte lengths add up to less than the text's. The caller then needs the offsets.
-        """
-        labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int32)
-        ascii_text = text.isascii()
-        ends = np.cumsum(self.byte_lengths[ids[:n_text]])
-        if (ends[-1] if n_text else 0) != (len(text) if ascii_text else len(text.encode("utf-8"))):
+        EOS, stay -100); :meth:`batch_labels` for one sample. None when the ids do not tile the text."""
+        offsets = np.array([0, n_text], dtype=np.int64)
+        text_labels, straddles, ok = self.batch_labels(np.asarray(ids[:n_text]), offsets, [text], [spans])
+        if not ok[0]:
             return None
-        straddles = 0
-        for start, end in spans:
-            if end <= start or not n_text:
-                continue
-            b0 = start if ascii_text else len(text[:start].encode("utf-8"))
-            b1 = end - 1 if ascii_text else len(text[: end - 1].encode("utf-8"))
-            first = int(np.searchsorted(ends, b0, side="right"))
-            last = int(np.searchsorted(ends, b1, side="right"))
-            if first >= n_text:
-                continue
-            labels[first : last + 1] = ids[first : last + 1]
-            straddles += int(ends[first] - self.byte_lengths[ids[first]]) < b0
-        return labels, straddles
+        labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int32)
+        labels[:n_text] = text_labels
+        return labels, int(straddles[0])
+
+    def batch_labels(self, ids: np.ndarray, offsets: np.ndarray, texts: list[str],
+                     spans: list[list[tuple[int, int]]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Labels of a batch of samples at once: ``ids`` (flat) holds sample ``k``'s text ids at
+        ``offsets[k]:offsets[k + 1]``, encoded from ``texts[k]``, trained where ``spans[k]`` say.
+
+        Returns flat labels (as ``ids``), straddles per sample and, per sample, whether its ids tile its
+        text's bytes (where not, its labels are all -100 here and the caller needs the offsets).
+        Per sample as :func:`span_labels`: the token holding a span's first byte to the token holding
+        its last character's first byte (as ``char_to_token`` of the last character), and whether that
+        first token starts before the span (a straddle).
+
+        The token ends are one cumulative sum over the whole batch, so a sample's byte ``b`` is
+        ``base[k] + b`` there. Example: samples ``"Hi there"`` (ids ``[17250, 612]``, bytes ``[2, 6]``) and
+        ``"ok"`` (``[482]``, ``[2]``): ends ``[2, 8, 10]``, bases ``[0, 8]``; the second sample's span
+        ``(0, 2)`` covers bytes ``[8, 9]`` of the batch, which fall in token 2.
+        """
+        n = len(texts)
+        ends0 = np.zeros(len(ids) + 1, dtype=np.int64)  # ends0[j]: bytes before token j
+        lengths = self.byte_lengths[ids]
+        np.cumsum(lengths, out=ends0[1:])
+        ends = ends0[1:]
+        base = ends0[offsets[:-1]]
+        ascii_text = [t.isascii() for t in texts]
+        text_bytes = np.fromiter((len(t) if a else len(t.encode("utf-8")) for t, a in zip(texts, ascii_text, strict=True)),
+                                 np.int64, n)
+        ok = ends0[offsets[1:]] - base == text_bytes
+        owner: list[int] = []  # per span: its sample, its first and last byte in the sample's text
+        b0: list[int] = []
+        b1: list[int] = []
+        for k in np.flatnonzero(ok & (offsets[1:] > offsets[:-1])).tolist():
+            text, a = texts[k], ascii_text[k]
+            for start, end in spans[k]:
+                if end > start:
+                    owner.append(k)
+                    b0.append(start if a else len(text[:start].encode("utf-8")))
+                    b1.append(end - 1 if a else len(text[: end - 1].encode("utf-8")))
+        labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int32)
+        straddles = np.zeros(n, dtype=np.int64)
+        if not owner:
+            return labels, straddles, ok
+        k = np.array(owner, dtype=np.int64)
+        lo = base[k] + np.array(b0, dtype=np.int64)
+        first = np.searchsorted(ends, lo, side="right")  # every earlier sample's ends are <= base[k]
+        last = np.searchsorted(ends, base[k] + np.array(b1, dtype=np.int64), side="right")
+        stop = offsets[1:][k]
+        keep = first < stop  # a span past the sample's last token trains nothing
+        k, lo, first, last = k[keep], lo[keep], first[keep], np.minimum(last[keep], stop[keep] - 1)
+        straddles += np.bincount(k, weights=ends[first] - lengths[first] < lo, minlength=n).astype(np.int64)
+        cover = np.zeros(len(ids) + 1, dtype=np.int64)  # +1 at each span's first token, -1 after its last
+        np.add.at(cover, first, 1)
+        np.add.at(cover, last + 1, -1)
+        trained = np.cumsum(cover[:-1]) > 0
+        labels[trained] = ids[trained]
+        return labels, straddles, ok

@@ -5,7 +5,8 @@ Each actor loads the tokenizer once. Per batch it parses the JSON records, forma
 each format's trained character spans into labels (:mod:`pipelines.labels`), so the cost per sample
 is a few lookups, not a loop over tokens. With a byte-level BPE tokenizer (GPT-2, Llama 3, Qwen,
 SmolLM2) the batch call is ``encode_batch_fast``, which skips computing offsets, and the labels come
-from the tokens' byte lengths; any other tokenizer uses ``encode_batch`` and its offsets.
+from the tokens' byte lengths, for the whole batch at once in flat arrays (ids, labels and EOS never
+handled per sample in Python); any other tokenizer uses ``encode_batch`` and its offsets.
 
 Worked example (completion, GPT-2): ``"Hello world"`` -> ids ``[15496, 995, 50256]`` (EOS
 appended), labels ``[15496, 995, 50256]``. Labels are not shifted; the model shifts them.
@@ -17,6 +18,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -41,6 +43,16 @@ __all__ = ["IGNORE_INDEX", "TOKENIZED_SCHEMA", "Tokenizer", "tokenized_table"]
 TOKENIZED_SCHEMA = pa.schema(
     [("sample_id", pa.int64()), ("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))]
 )
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One tokenized sample: ids and labels (EOS included), span straddles, whether any token is trained."""
+
+    ids: np.ndarray
+    labels: np.ndarray
+    straddles: int
+    trained: bool
 
 
 @dataclass
@@ -142,41 +154,81 @@ class Tokenizer:
         counts.add(key, 1, f"{where}: {msg}")
         return None
 
-    def _encode(self, items: list[Formatted]) -> list[Any]:
-        """Encodings for a batch, grouped by whether the tokenizer adds its special tokens.
-
-        A group whose ids tile its texts' bytes (:meth:`ByteSpans.usable`) is encoded without offsets
-        (``encode_batch_fast``); :meth:`_labels` then takes the labels from the ids alone.
-        """
-        out: list[Any] = [None] * len(items)
-        for flag in (True, False):
-            idx = [i for i, f in enumerate(items) if f.add_special_tokens is flag]
-            if not idx:
-                continue
-            encode = self.backend.encode_batch_fast if self._fast(flag) else self.backend.encode_batch
-            step = self.data.tokenize.batch_size
-            for c in range(0, len(idx), step):
-                chunk = idx[c : c + step]
-                for i, enc in zip(chunk, encode([items[i].text for i in chunk], add_special_tokens=flag), strict=True):
-                    out[i] = enc
-        return out
+    def _encode(self, texts: list[str], add_special_tokens: bool) -> list[Any]:
+        """The Rust tokenizer's batch call: without offsets where :meth:`_fast` says the ids suffice."""
+        encode = self.backend.encode_batch_fast if self._fast(add_special_tokens) else self.backend.encode_batch
+        return encode(texts, add_special_tokens=add_special_tokens)
 
     def _fast(self, add_special_tokens: bool) -> bool:
         """Whether texts encoded with this flag go without offsets (their labels then come from the ids)."""
         return self.byte_spans is not None and self.byte_spans.usable(add_special_tokens)
 
-    def _labels(self, ids: np.ndarray, n_text: int, enc: Any, f: Formatted) -> tuple[np.ndarray, int]:
-        """Labels of ``ids`` (the first ``n_text`` encoded from ``f.text``) and the span straddles.
+    def _tokenize(self, items: list[Formatted]) -> list[Encoded]:
+        """Each item's ids, labels and span straddles, in batches of ``data.tokenize.batch_size`` grouped
+        by whether the tokenizer adds its special tokens (the flag is per batch call)."""
+        out: list[Encoded | None] = [None] * len(items)
+        step = self.data.tokenize.batch_size
+        for flag in (True, False):
+            idx = [i for i, f in enumerate(items) if f.add_special_tokens is flag]
+            for c in range(0, len(idx), step):
+                chunk = idx[c : c + step]
+                group = [items[i] for i in chunk]
+                encs = self._encode([f.text for f in group], flag)
+                done = (self._from_ids(group, encs) if self._fast(flag)
+                        else [self._with_offsets(f, enc) for f, enc in zip(group, encs, strict=True)])
+                for i, sample in zip(chunk, done, strict=True):
+                    out[i] = sample
+        return out  # type: ignore[return-value]  # every index was filled
 
-        ``enc`` came without offsets when the fast path applies (:meth:`_encode`); where its ids turn
-        out not to tile the text (:meth:`ByteSpans.labels` is None), the text is encoded again with them.
+    def _from_ids(self, group: list[Formatted], encs: list[Any]) -> list[Encoded]:
+        """The fast path for one batch call, on flat arrays: ids, labels from the ids' byte lengths
+        (:meth:`ByteSpans.batch_labels`), EOS appended; a sample whose ids do not tile its text is encoded
+        again with offsets. Each sample's arrays are views into the batch's two arrays.
+
+        Example: two samples of 2 and 1 text ids, EOS after both: text offsets ``[0, 2, 3]``, output
+        offsets ``[0, 3, 5]``; text id ``j`` of sample ``k`` lands at ``j + (out[k] - text[k])``.
         """
-        if self._fast(f.add_special_tokens):
-            fast = self.byte_spans.labels(ids, n_text, f.text, f.spans)
-            if fast is not None:
-                return fast
-            enc = self.backend.encode(f.text, add_special_tokens=f.add_special_tokens)
-        return span_labels(ids, enc, f.spans)
+        n = len(group)
+        raw = [enc.ids for enc in encs]
+        n_text = np.fromiter(map(len, raw), np.int64, n)
+        eos = np.fromiter((f.add_eos for f in group), bool, n)
+        text_off, out_off = np.zeros(n + 1, dtype=np.int64), np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(n_text, out=text_off[1:])
+        np.cumsum(n_text + eos, out=out_off[1:])
+        flat = np.fromiter(chain.from_iterable(raw), np.int32, int(text_off[-1]))
+        text_labels, straddles, ok = self.byte_spans.batch_labels(flat, text_off, [f.text for f in group],
+                                                                  [f.spans for f in group])
+        ids = np.empty(int(out_off[-1]), dtype=np.int32)
+        labels = np.empty_like(ids)
+        at = np.arange(len(flat)) + np.repeat(out_off[:-1] - text_off[:-1], n_text)
+        ids[at], labels[at] = flat, text_labels
+        if eos.any():
+            last = out_off[1:][eos] - 1
+            ids[last] = self.eos
+            trained_eos = np.fromiter((bool(f.spans) for f in group), bool, n)[eos]
+            labels[last] = np.where(trained_eos, self.eos, IGNORE_INDEX)  # trained when the sample has spans
+        trained = np.zeros(len(labels) + 1, dtype=np.int64)
+        np.cumsum(labels != IGNORE_INDEX, out=trained[1:])
+        has_trained = trained[out_off[1:]] > trained[out_off[:-1]]
+        out = []
+        for k, f in enumerate(group):
+            if ok[k]:
+                s, e = out_off[k], out_off[k + 1]
+                out.append(Encoded(ids[s:e], labels[s:e], int(straddles[k]), bool(has_trained[k])))
+            else:  # a byte with no token of its own: this sample needs the offsets
+                out.append(self._with_offsets(f, self.backend.encode(f.text, add_special_tokens=f.add_special_tokens)))
+        return out
+
+    def _with_offsets(self, f: Formatted, enc: Any) -> Encoded:
+        """One sample from an encoding with offsets (:func:`span_labels`), EOS appended."""
+        raw = enc.ids
+        ids = np.empty(len(raw) + f.add_eos, dtype=np.int32)  # room for EOS: no copy to append it
+        ids[: len(raw)] = raw
+        labels, straddles = span_labels(ids, enc, f.spans)  # EOS, past every span, stays -100 here
+        if f.add_eos:
+            ids[-1] = self.eos
+            labels[-1] = self.eos if f.spans else IGNORE_INDEX
+        return Encoded(ids, labels, straddles, bool((labels != IGNORE_INDEX).any()))
 
     # -- one batch --------------------------------------------------------------------------
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -198,22 +250,14 @@ class Tokenizer:
             all_ids[i], all_labels[i] = f.ids, f.labels
             n_kept, n_tokens = n_kept + 1, n_tokens + len(f.ids)
             counts.add("samples_pretokenized")
-        for i, enc in zip(live, self._encode([formatted[i] for i in live]), strict=True):
-            f = formatted[i]
-            raw = enc.ids
-            ids = np.empty(len(raw) + f.add_eos, dtype=np.int32)  # room for EOS: no copy to append it
-            ids[: len(raw)] = raw
-            labels, straddles = self._labels(ids, len(raw), enc, f)  # EOS, past every span, stays -100 here
-            if straddles:
-                counts.add("label_span_straddles", straddles, self.table.where(sids[i]))
-            if f.add_eos:
-                ids[-1] = self.eos
-                labels[-1] = self.eos if f.spans else IGNORE_INDEX
-            if not (labels != IGNORE_INDEX).any():
+        for i, sample in zip(live, self._tokenize([formatted[i] for i in live]), strict=True):
+            if sample.straddles:
+                counts.add("label_span_straddles", sample.straddles, self.table.where(sids[i]))
+            if not sample.trained:
                 self._bad(sids[i], "no trained tokens (nothing to learn from this sample)", counts, "skipped_no_trained_tokens")
                 continue
-            all_ids[i], all_labels[i] = ids, labels
-            n_kept, n_tokens = n_kept + 1, n_tokens + len(ids)
+            all_ids[i], all_labels[i] = sample.ids, sample.labels
+            n_kept, n_tokens = n_kept + 1, n_tokens + len(sample.ids)
         counts.add("samples_tokenized", n_kept)
         counts.add("tokens", n_tokens)
         self.sink.send(counts)

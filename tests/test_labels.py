@@ -33,12 +33,22 @@ def _rust(path):
 
 
 def _stage_output(cfg, fast: bool) -> tuple[list, dict, Tokenizer]:
-    """The tokenizer stage over every file of ``cfg``: its output blocks as Python lists, and its counters."""
+    """The tokenizer stage over every file of ``cfg``: its output blocks as Python lists, and its counters.
+
+    ``tok.with_offsets`` counts the samples labelled from an encoding with offsets: all of them on the
+    offsets path, on the fast path only those whose ids did not tile their text."""
     table, sink = resolve_sources(cfg), StatsSink()
     opts = ReadOptions(table.storage, cfg.data.on_bad_record, tuple(d.text_field for d in table.datasets))
     tok = Tokenizer(cfg.data, cfg.model, table, sink)
     if not fast:
         tok.byte_spans = None  # the offsets path, as for a tokenizer that is not byte-level
+    tok.with_offsets, one = 0, tok._with_offsets
+
+    def counted(f, enc):
+        tok.with_offsets += 1
+        return one(f, enc)
+
+    tok._with_offsets = counted
     blocks = [tok(b).select(["sample_id", "input_ids", "labels"]).to_pydict() for b in read_files(list(table.files), opts, sink)]
     return blocks, dict(sink.local.counters), tok
 
@@ -58,8 +68,9 @@ CORPORA = [
 def test_fast_path_gives_the_offsets_path_output_on_real_corpora(name, path, kind, tokenizer):
     cfg = make_config([{"path": str(path), "type": kind}], tokenizer=tokenizer, on_bad_record="skip")
     fast, fast_counts, tok = _stage_output(cfg, fast=True)
-    slow, slow_counts, _ = _stage_output(cfg, fast=False)
+    slow, slow_counts, slow_tok = _stage_output(cfg, fast=False)
     assert tok.byte_spans is not None and tok.byte_spans.usable(True) and tok.byte_spans.usable(False)  # the fast path ran
+    assert tok.with_offsets == 0 < slow_tok.with_offsets  # every sample's ids tiled its text: no fallback
     assert fast == slow
     assert fast_counts == slow_counts
     trained = sum(lab != IGNORE_INDEX for block in fast for row in block["labels"] for lab in row)
@@ -154,7 +165,38 @@ def test_a_text_with_a_dropped_byte_falls_back_to_offsets(tmp_path):
     fast, fast_counts, tok = _stage_output(cfg, fast=True)
     slow, slow_counts, _ = _stage_output(cfg, fast=False)
     assert tok.byte_spans is not None
+    assert tok.with_offsets == 1  # only the record with the dropped bytes; "Q"/"A" stays on the fast path
     assert fast == slow and fast_counts == slow_counts
     labels = fast[0]["labels"][0]
     trained = [t for t, lab in zip(fast[0]["input_ids"][0], labels, strict=True) if lab != IGNORE_INDEX]
     assert "ok" in tok.hf.decode(trained) and "Say" not in tok.hf.decode(trained)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    which=st.sampled_from(["gpt2", "smollm2"]),
+    samples=st.lists(st.tuples(st.lists(st.sampled_from(ALPHABET), max_size=30).map("".join),
+                               st.lists(st.integers(0, 30), max_size=4)), min_size=1, max_size=6),
+)
+def test_a_batch_labels_each_sample_as_the_offsets_do(rust_tokenizers, which, samples):
+    """:meth:`ByteSpans.batch_labels` on several samples at once (one cumulative sum over all of them)
+    gives each sample what ``span_labels`` gives it alone, and flags exactly the samples that do not tile."""
+    tok, byte_spans = rust_tokenizers[which]
+    texts = [text for text, _ in samples]
+    spans = []
+    for text, cuts in samples:
+        at = sorted(min(c, len(text)) for c in cuts)
+        spans.append(list(zip(at[::2], at[1::2], strict=False)))
+    encs = [tok.encode(text, add_special_tokens=False) for text in texts]
+    offsets = np.cumsum([0] + [len(e.ids) for e in encs])
+    ids = np.array([i for e in encs for i in e.ids], dtype=np.int32)
+    labels, straddles, ok = byte_spans.batch_labels(ids, offsets, texts, spans)
+    for k, (text, enc) in enumerate(zip(texts, encs, strict=True)):
+        alone = byte_spans.labels(np.asarray(enc.ids, dtype=np.int32), len(enc.ids), text, spans[k])
+        assert bool(ok[k]) == (alone is not None)
+        if alone is None:
+            assert which == "smollm2" and any(ch in text for ch in SMOLLM2_DROPS)
+            continue
+        want, want_straddles = span_labels(np.asarray(enc.ids, dtype=np.int32), enc, spans[k])
+        assert labels[offsets[k] : offsets[k + 1]].tolist() == want.tolist()
+        assert straddles[k] == want_straddles
