@@ -1,0 +1,119 @@
+"""What fusing the tokenizer stage into the read tasks would give, before building it: B2's ``ours`` two ways.
+
+    .venv/bin/python benchmarks/fused_stage.py [--repeats 5] [--data DIR]
+
+* ``actor``: ``build_dataset`` as it is (read tasks -> the tokenizer actor pool of ``data.tokenize``);
+* ``fused``: the same ``TokenizeAndPack`` as a plain function that Ray Data fuses into the read tasks, cached
+  per worker process as the pre-tokenized path's ``CheckAndPack`` is (``pipelines.dataset._FUSED``): no
+  actor to start, and blocks never cross the object store between reading and tokenizing. Same threads,
+  same environment, same concurrency (one task at a time on 2 CPUs). An experiment: this script swaps
+  ``pipelines.dataset.tokenizer_stage`` in its own child processes; the product is unchanged.
+
+Interleaved, each run a fresh process (``benchlib.TreeRSS`` for the tree's CPU), on the B2 data
+(``benchmarks/run.py`` writes it; ``--data``) with the B2 config (``ingest.ours_params``, 2 CPUs). Prints
+the runs, the medians and a markdown table; the token count and packing efficiency must match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import benchlib as bl  # noqa: E402
+
+MODES = ("actor", "fused")
+
+
+def _fused_tokenize_and_pack(batch: Any, key: str, kwargs: dict[str, Any]) -> Any:
+    """The tokenizer stage as a plain function: one ``TokenizeAndPack`` per worker process and dataset."""
+    import pipelines.dataset as real  # the worker's importable module: its cache outlives the task
+
+    stage = real._FUSED.get(key)
+    if stage is None:
+        stage = real._FUSED[key] = real.TokenizeAndPack(**kwargs)
+    return stage(batch)
+
+
+def use_fused_stage() -> None:
+    """Swap ``build_dataset``'s tokenizer stage for the fused one (this process only)."""
+    import pipelines.dataset as pd
+
+    actor_stage = pd.tokenizer_stage
+
+    def fused_stage(ds: Any, cfg: Any, table: Any, sink: Any, pack: Any = None, token_ids: bool = False) -> Any:
+        if token_ids or pack is None:
+            return actor_stage(ds, cfg, table, sink, pack, token_ids)
+        tok = cfg.data.tokenize
+        threads = pd.tokenizer_threads(tok, pd.tokenizer_pool_size(tok)[1])
+        kwargs = {"data": cfg.data, "model": cfg.model, "table": table, "sink": sink, "threads": threads,
+                  "env": pd.tokenizer_env(threads), "pack": pack}
+        return ds.map_batches(_fused_tokenize_and_pack, fn_kwargs={"key": uuid.uuid4().hex, "kwargs": kwargs},
+                              batch_size=None, batch_format="pyarrow",
+                              num_cpus=cfg.data.read_num_cpus,  # the read tasks' request and cap: they fuse
+                              concurrency=pd.read_concurrency(cfg, token_ids=False))
+
+    pd.tokenizer_stage = fused_stage
+
+
+def child(mode: str, params: dict[str, Any]) -> None:
+    import systems
+
+    if mode == "fused":
+        use_fused_stage()
+    systems.emit(systems.sys_ours(params))
+
+
+def run_once(mode: str, params: dict[str, Any]) -> dict[str, Any]:
+    env = {**os.environ, **bl.CHILD_ENV, "PYTHONPATH": os.pathsep.join([str(bl.ROOT), str(bl.BENCH_DIR)])}
+    proc = subprocess.Popen([bl.PY, __file__, "--child", mode, json.dumps(params)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env, cwd=bl.ROOT, text=True, start_new_session=True)
+    with bl.TreeRSS(proc.pid) as rss:
+        out, err = proc.communicate(timeout=600)
+    lines = [ln for ln in out.splitlines() if ln.startswith(bl.RESULT_TAG)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{mode} run failed (exit {proc.returncode}): {err[-2000:]}")
+    r = json.loads(lines[-1][len(bl.RESULT_TAG) :])
+    return {"ttfb_s": r["ttfb_s"], "steady_tok_s": r["steady_tok_s"], "e2e_tok_s": r["e2e_tok_s"],
+            "tokens": r["tokens"], "efficiency": r["efficiency"], "cpu_s_per_mtok": rss.cpu_s / (r["tokens"] / 1e6)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--data", type=Path, help="Alpaca JSONL shards (default: B2's, written if missing)")
+    ap.add_argument("--child", nargs=2, metavar=("MODE", "PARAMS"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child[0], json.loads(args.child[1]))
+        return
+    from ingest import ours_params
+
+    params = ours_params(args.data or bl.write_alpaca_jsonl(bl.DEFAULT_WORK, 20 * 999), 2)
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    for rep in range(args.repeats):
+        for mode in MODES:
+            runs[mode].append(run_once(mode, params))
+            print(rep, mode, json.dumps(runs[mode][-1]), flush=True)
+    keys = ("ttfb_s", "steady_tok_s", "e2e_tok_s", "cpu_s_per_mtok")
+    med = {m: {k: statistics.median(r[k] for r in runs[m]) for k in keys} for m in MODES}
+    same = {(r["tokens"], round(r["efficiency"], 6)) for m in MODES for r in runs[m]}
+    print(f"\nmedians of {args.repeats} interleaved runs each; tokens and packing efficiency in every run: {sorted(same)}\n")
+    print("| stage | first row s (after init) | steady tok/s | end-to-end tok/s | CPU s / M tok |")
+    print("|---|---:|---:|---:|---:|")
+    for m in MODES:
+        print(f"| {m} | {med[m]['ttfb_s']:.2f} | {bl.fmt_rate(med[m]['steady_tok_s'])} | "
+              f"{bl.fmt_rate(med[m]['e2e_tok_s'])} | {med[m]['cpu_s_per_mtok']:.2f} |")
+    print("RESULT " + json.dumps({"runs": runs, "medians": med}))
+
+
+if __name__ == "__main__":
+    main()
