@@ -1,13 +1,11 @@
-"""What fusing the tokenizer stage into the read tasks would give, before building it: B2's ``ours`` two ways.
+"""B2's ``ours`` with the tokenizer in an actor pool and inside the read tasks (``data.tokenize.placement``), interleaved.
 
     .venv/bin/python benchmarks/fused_stage.py [--repeats 5] [--data DIR]
 
-* ``actor``: ``build_dataset`` as it is (read tasks -> the tokenizer actor pool of ``data.tokenize``);
-* ``fused``: the same ``TokenizeAndPack`` as a plain function that Ray Data fuses into the read tasks, cached
-  per worker process as the pre-tokenized path's ``CheckAndPack`` is (``pipelines.dataset._FUSED``): no
-  actor to start, and blocks never cross the object store between reading and tokenizing. Same threads,
-  same environment, same concurrency (one task at a time on 2 CPUs). An experiment: this script swaps
-  ``pipelines.dataset.tokenizer_stage`` in its own child processes; the product is unchanged.
+* ``actors``: read tasks -> the tokenizer actor pool of ``data.tokenize`` (one actor on 2 CPUs);
+* ``read_tasks``: the same ``TokenizeAndPack`` fused into the read tasks (``pipelines.dataset.read_task_args``):
+  no actor to start, and blocks never cross the object store between reading and tokenizing. Same threads,
+  same environment, same concurrency (one task at a time on 2 CPUs). On 2 CPUs ``auto`` picks ``read_tasks``.
 
 Interleaved, each run a fresh process (``benchlib.TreeRSS`` for the tree's CPU), on the B2 data
 (``benchmarks/run.py`` writes it; ``--data``) with the B2 config (``ingest.ours_params``, 2 CPUs). Prints
@@ -22,7 +20,6 @@ import os
 import statistics
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -30,46 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import benchlib as bl  # noqa: E402
 
-MODES = ("actor", "fused")
-
-
-def _fused_tokenize_and_pack(batch: Any, key: str, kwargs: dict[str, Any]) -> Any:
-    """The tokenizer stage as a plain function: one ``TokenizeAndPack`` per worker process and dataset."""
-    import pipelines.dataset as real  # the worker's importable module: its cache outlives the task
-
-    stage = real._FUSED.get(key)
-    if stage is None:
-        stage = real._FUSED[key] = real.TokenizeAndPack(**kwargs)
-    return stage(batch)
-
-
-def use_fused_stage() -> None:
-    """Swap ``build_dataset``'s tokenizer stage for the fused one (this process only)."""
-    import pipelines.dataset as pd
-
-    actor_stage = pd.tokenizer_stage
-
-    def fused_stage(ds: Any, cfg: Any, table: Any, sink: Any, pack: Any = None, token_ids: bool = False) -> Any:
-        if token_ids or pack is None:
-            return actor_stage(ds, cfg, table, sink, pack, token_ids)
-        tok = cfg.data.tokenize
-        threads = pd.tokenizer_threads(tok, pd.tokenizer_pool_size(tok)[1])
-        kwargs = {"data": cfg.data, "model": cfg.model, "table": table, "sink": sink, "threads": threads,
-                  "env": pd.tokenizer_env(threads), "pack": pack}
-        return ds.map_batches(_fused_tokenize_and_pack, fn_kwargs={"key": uuid.uuid4().hex, "kwargs": kwargs},
-                              batch_size=None, batch_format="pyarrow",
-                              num_cpus=cfg.data.read_num_cpus,  # the read tasks' request and cap: they fuse
-                              concurrency=pd.read_concurrency(cfg, token_ids=False))
-
-    pd.tokenizer_stage = fused_stage
+MODES = ("actors", "read_tasks")
 
 
 def child(mode: str, params: dict[str, Any]) -> None:
     import systems
 
-    if mode == "fused":
-        use_fused_stage()
-    systems.emit(systems.sys_ours(params))
+    overrides = params["data_overrides"]
+    systems.emit(systems.sys_ours({**params, "data_overrides": {
+        **overrides, "tokenize": {**overrides.get("tokenize", {}), "placement": mode}}}))
 
 
 def run_once(mode: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -107,7 +73,7 @@ def main() -> None:
     med = {m: {k: statistics.median(r[k] for r in runs[m]) for k in keys} for m in MODES}
     same = {(r["tokens"], round(r["efficiency"], 6)) for m in MODES for r in runs[m]}
     print(f"\nmedians of {args.repeats} interleaved runs each; tokens and packing efficiency in every run: {sorted(same)}\n")
-    print("| stage | first row s (after init) | steady tok/s | end-to-end tok/s | CPU s / M tok |")
+    print("| placement | first row s (after init) | steady tok/s | end-to-end tok/s | CPU s / M tok |")
     print("|---|---:|---:|---:|---:|")
     for m in MODES:
         print(f"| {m} | {med[m]['ttfb_s']:.2f} | {bl.fmt_rate(med[m]['steady_tok_s'])} | "

@@ -16,9 +16,11 @@ None of the first four does any pipeline work, so what they measure is Ray and R
 * ``read task -> actor pool``: that read, then an actor that returns its input (an identity
   ``map_batches`` actor, 1 CPU, as the tokenizer pool on 2 CPUs): the floor of the tokenizer path;
 * ``build_dataset``: ours on the B2 data (the Alpaca demo x 20, GPT-2, 20 JSONL files), first packed row;
-* ``build_dataset, env as runtime_env``: the same with the tokenizer actors' environment given as a
-  ``runtime_env`` (as before 2026-12-02), which makes Ray start a new worker process for the actor
-  through its runtime-env agent instead of handing it an idle one (``pipelines.dataset.tokenizer_env``).
+  on 2 CPUs the tokenizer runs inside the read tasks (``data.tokenize.placement: auto``);
+* ``build_dataset, actors``: the same with ``placement: actors``, the tokenizer in a 1-actor pool;
+* ``build_dataset, env as runtime_env``: that pool with its environment given as a ``runtime_env`` (as
+  before 2026-12-02), which makes Ray start a new worker process for the actor through its runtime-env
+  agent instead of handing it an idle one (``pipelines.dataset.tokenizer_env``).
 
 Ratios are not targets here; the table says how much of a first-row time is Ray's before any of ours.
 """
@@ -39,7 +41,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 TAG = "RAY_FLOOR "
 OLD_ENV = "build_dataset, env as runtime_env"
-CASES = ("ready", "ready + actor pool", "read task", "read task -> actor pool", "build_dataset", OLD_ENV)
+ACTORS = "build_dataset, actors"
+CASES = ("ready", "ready + actor pool", "read task", "read task -> actor pool", "build_dataset", ACTORS, OLD_ENV)
 
 
 def _table() -> Any:
@@ -103,8 +106,10 @@ def run_case(case: str, data_dir: str | None) -> dict[str, float]:
         from pipelines.config import config_from_dict
         from pipelines.dataset import build_dataset
 
-        cfg = config_from_dict({"model": {"tokenizer": str(GPT2)},
-                                "data": {"datasets": [{"path": data_dir, "format": "jsonl", "type": "alpaca"}]}})
+        data: dict[str, Any] = {"datasets": [{"path": data_dir, "format": "jsonl", "type": "alpaca"}]}
+        if case in (ACTORS, OLD_ENV):
+            data["tokenize"] = {"placement": "actors"}
+        cfg = config_from_dict({"model": {"tokenizer": str(GPT2)}, "data": data})
     table = _table() if not case.startswith("build_dataset") else None
     t1 = time.perf_counter()
     if case == "ready":

@@ -190,7 +190,7 @@ class DatasetConfig(_Strict):
 
 
 class TokenizeConfig(_Strict):
-    """The CPU actor pool that formats and tokenizes samples."""
+    """The CPU stage that formats and tokenizes samples: where it runs, how many at once, how big its calls."""
 
     num_actors: int | Literal["auto"] = Field(
         "auto", description="Tokenizer actors; auto: one per CPU left after reads (at least 1)."
@@ -204,6 +204,13 @@ class TokenizeConfig(_Strict):
     resources: dict[str, float] = Field(
         default_factory=dict, description="Extra Ray resources per actor, e.g. {cpu_node: 1} to pin to CPU nodes. "
         "A mix of N sources runs N pools at once, so the nodes must hold N x num_actors (auto: N) of them."
+    )
+    placement: Literal["auto", "actors", "read_tasks"] = Field(
+        "auto", description="Where the tokenizer runs. actors: a pool of num_actors, each num_cpus and resources; "
+        "read_tasks: inside the read tasks (fused, no actor to start, blocks never cross the object store), each "
+        "then reserving num_cpus and resources instead of read_num_cpus, up to num_actors at once; a file group is "
+        "tokenized by its one task. auto: read_tasks where the pool would hold one actor at most and resources is "
+        "empty (a lone actor adds a process and an object-store hop, and no parallelism), actors otherwise."
     )
 
     @field_validator("num_actors", "threads")
@@ -235,8 +242,12 @@ class DataConfig(_Strict):
     eval_fraction: float = Field(0.0, ge=0, lt=1, description="Held-out share of samples for split='eval'.")
     datasets: list[DatasetConfig] = Field(..., min_length=1, description="Training sources.")
     eval_datasets: list[DatasetConfig] = Field(default_factory=list, description="Evaluation sources.")
-    tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig, description="The tokenizer actor pool (not started when every source is pre-tokenized MDS).")
-    read_num_cpus: float = Field(0.25, gt=0, description="CPUs reserved per read task (small so actors never starve reads).")
+    tokenize: TokenizeConfig = Field(
+        default_factory=TokenizeConfig,
+        description="The tokenizer stage: an actor pool or inside the read tasks (unused when every source is pre-tokenized MDS).",
+    )
+    read_num_cpus: float = Field(0.25, gt=0, description="CPUs reserved per read task (small so actors never starve reads; read tasks "
+                                 "that tokenize reserve data.tokenize.num_cpus instead).")
     read_tasks: int = Field(8, gt=0, description="Read tasks (each owns a contiguous group of whole files).")
     read_concurrency: int | Literal["auto"] | None = Field(
         "auto", description="Read tasks running at once; auto: one per tokenizer actor of the pool at its largest (1 "

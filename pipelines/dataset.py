@@ -1,18 +1,20 @@
 """``build_dataset``: the stages wired into one lazy, streaming ``ray.data.Dataset`` of packed rows.
 
-    read tasks (whole files, seeded order)   ->  tokenizer actors (CPU pool): tokenize, then pack
+    read tasks (whole files, seeded order)   ->  tokenizer (CPU): tokenize, then pack
     one block per unit, one row per unit:        each unit -> input_ids, labels, position_ids,
     sample_ids, records (lists)                  sample_ids (+ unit_* columns), one row per packed row
 
-A set that is all token ids (pre-tokenized MDS) skips the actors: its read blocks hold the ids as Arrow
-list columns, and their check (:class:`pipelines.pretokenized.IdChecker`) and packing run inside the
-read tasks.
+The tokenizer runs where ``data.tokenize.placement`` says (:func:`tokenizer_placement`): in a pool of
+actors, or inside the read tasks (Ray Data fuses it into them: no actor to start, a unit's records never
+cross the object store). A set that is all token ids (pre-tokenized MDS) always takes the second way: its
+read blocks hold the ids as Arrow list columns, and their check (:class:`pipelines.pretokenized.IdChecker`)
+and packing run inside the read tasks.
 
 A *unit* is ``pack_buffer_size`` consecutive records of one file (see :mod:`pipelines.units`); it is
 packed on its own, so the rows are a function of the data and the config, and a resume point is
 "file, unit, rows done". A unit is one row until it is packed, so Ray Data can hand each unit on as
-soon as it is read (``READ_BLOCK_BYTES``) without ever cutting one; packing runs in the tokenizer
-actor right after tokenizing, so a unit's tokens never travel between processes unpacked.
+soon as it is read (``READ_BLOCK_BYTES``) without ever cutting one; packing runs right after
+tokenizing, in the same process, so a unit's tokens never travel between processes unpacked.
 
 Nothing is read until the dataset is iterated: building it lists files (metadata only) and starts
 one tiny counters actor. Memory is bounded by Ray Data's streaming backpressure and the buffer sizes
@@ -193,21 +195,49 @@ class CheckAndPack:
         return self.packer(self.checker(batch))
 
 
-# The read worker's CheckAndPack, one per dataset built (Ray reuses read workers, and a mixed run's
-# per-source datasets share them); the oldest go past _FUSED_KEEP.
-_FUSED: OrderedDict[str, CheckAndPack] = OrderedDict()
+# The stages running inside a read worker (CheckAndPack, TokenizeAndPack), one per dataset built: Ray reuses
+# read workers, and a mixed run's per-source datasets share them; the oldest go past _FUSED_KEEP.
+_FUSED: OrderedDict[str, CheckAndPack | TokenizeAndPack] = OrderedDict()
 _FUSED_KEEP = 8
 
 
-def _check_and_pack(batch: pa.Table, key: str, kwargs: dict[str, Any]) -> pa.Table:
-    """The pre-tokenized stage as a plain function, so Ray Data fuses it into the read tasks."""
-    stage = _FUSED.get(key)
-    if stage is None:
-        stage = _FUSED[key] = CheckAndPack(**kwargs)
+def _in_read_task(batch: pa.Table, key: str, stage: type[CheckAndPack | TokenizeAndPack],
+                  kwargs: dict[str, Any]) -> pa.Table:
+    """A stage as a plain function, so Ray Data fuses it into the read tasks; built once per worker and ``key``."""
+    fused = _FUSED.get(key)
+    if fused is None:
+        fused = _FUSED[key] = stage(**kwargs)
         while len(_FUSED) > _FUSED_KEEP:
             _FUSED.popitem(last=False)
     _FUSED.move_to_end(key)
-    return stage(batch)
+    return fused(batch)
+
+
+def tokenizer_placement(tok: TokenizeConfig, cpus: float | None = None) -> str:
+    """Where the tokenizer runs, ``actors`` or ``read_tasks``: ``data.tokenize.placement``, or (auto) in the
+    read tasks where the pool would hold one actor at most and ``resources`` places nothing.
+
+    Example: 2 CPUs, ``num_cpus: 1`` -> a pool of (1, 1) -> ``read_tasks``: a lone actor runs the units one
+    after another as the read task would, but costs a process start and every unit's trip through the object
+    store (B2, BENCHMARKS.md: first packed row 2.7 -> 1.9 s, 12% less CPU). 16 CPUs -> (1, 15) -> ``actors``:
+    15 tokenizers share the units of 8 read tasks, where fused each file group would have one.
+    """
+    if tok.placement != "auto":
+        return tok.placement
+    return "read_tasks" if tokenizer_pool_size(tok, cpus)[1] == 1 and not tok.resources else "actors"
+
+
+def read_task_args(cfg: Config, token_ids: bool) -> dict[str, Any]:
+    """Ray remote arguments of the read tasks. A stage fused into them must have the same (Ray Data fuses
+    only equal ones), so where the tokenizer runs in them they reserve what a tokenizer actor would, with its
+    environment as a ``runtime_env``: a read worker is shared with other tasks and actors, which must not
+    inherit ``USE_TORCH=0`` (:func:`tokenizer_env`), so it gets workers of its own."""
+    tok = cfg.data.tokenize
+    if token_ids or tokenizer_placement(tok) == "actors":
+        return {"num_cpus": cfg.data.read_num_cpus}
+    threads = tokenizer_threads(tok, tokenizer_pool_size(tok)[1])
+    return {"num_cpus": tok.num_cpus, "resources": dict(tok.resources) or None,
+            "runtime_env": {"env_vars": tokenizer_env(threads)}}
 
 
 def all_pretokenized(table: SourceTable, files: list[int]) -> bool:
@@ -228,28 +258,28 @@ def all_pretokenized(table: SourceTable, files: list[int]) -> bool:
 
 def tokenizer_stage(ds: ray.data.Dataset, cfg: Config, table: SourceTable, sink: StatsSink,
                     pack: PackOptions | None = None, token_ids: bool = False) -> ray.data.Dataset:
-    """``ds`` (unit blocks) through the tokenizer actor pool sized and placed by ``data.tokenize``:
-    tokenized records, or with ``pack`` packed rows (:class:`TokenizeAndPack`).
+    """``ds`` (unit blocks) through the tokenizer: tokenized records, or with ``pack`` packed rows
+    (:class:`TokenizeAndPack`), where :func:`tokenizer_placement` says (unpacked records: always actors).
 
     Id-column blocks (``token_ids``, see :func:`all_pretokenized`) are checked and packed in the read
-    tasks instead (:class:`CheckAndPack`); ``data.tokenize`` then places nothing."""
+    tasks instead (:class:`CheckAndPack`); ``data.tokenize`` then places nothing. A stage in the read tasks
+    takes :func:`read_task_args`, which ``ds``'s reads must have been given too."""
     kwargs: dict[str, Any] = {"data": cfg.data, "model": cfg.model, "table": table, "sink": sink}
+    fused = {"batch_size": None, "batch_format": "pyarrow", "concurrency": read_concurrency(cfg, token_ids),
+             **read_task_args(cfg, token_ids)}
     if token_ids:
         assert pack is not None, "id-column blocks are only read to be packed"
         log.info("every source is pre-tokenized MDS: ids are checked and packed in the read tasks "
                  "(no tokenizer actors; data.tokenize is not used)")
-        return ds.map_batches(
-            _check_and_pack,
-            fn_kwargs={"key": uuid.uuid4().hex,
-                       "kwargs": {**kwargs, "pack": pack, "vocab_size": tokenizer_vocab_size(cfg.model)}},
-            batch_size=None,
-            batch_format="pyarrow",
-            num_cpus=cfg.data.read_num_cpus,  # the read tasks' request and cap, so the two fuse
-            concurrency=read_concurrency(cfg, token_ids=True),
-        )
+        kwargs.update(pack=pack, vocab_size=tokenizer_vocab_size(cfg.model))
+        return ds.map_batches(_in_read_task, fn_kwargs={"key": uuid.uuid4().hex, "stage": CheckAndPack,
+                                                        "kwargs": kwargs}, **fused)
     tok = cfg.data.tokenize
     pool = tokenizer_pool_size(tok)
     kwargs["threads"] = threads = tokenizer_threads(tok, pool[1])
+    if pack is not None and tokenizer_placement(tok) == "read_tasks":  # its environment is the tasks' runtime_env
+        return ds.map_batches(_in_read_task, fn_kwargs={"key": uuid.uuid4().hex, "stage": TokenizeAndPack,
+                                                        "kwargs": {**kwargs, "pack": pack}}, **fused)
     kwargs["env"] = tokenizer_env(threads)
     if pack is not None:
         kwargs["pack"] = pack
@@ -292,8 +322,8 @@ def build_dataset(
     concurrency = read_concurrency(cfg, opts.token_ids)
     if opts.token_ids and cfg.data.read_concurrency == "auto":
         n_tasks = min(n_tasks, concurrency)  # one round: each task's start costs more than its work
-    ds = ray.data.read_datasource(source, num_cpus=cfg.data.read_num_cpus, override_num_blocks=n_tasks,
-                                  concurrency=concurrency)
+    ds = ray.data.read_datasource(source, override_num_blocks=n_tasks, concurrency=concurrency,
+                                  **read_task_args(cfg, opts.token_ids))
     ds = tokenizer_stage(ds, cfg, table, sink, pack=_pack_options(cfg, epoch), token_ids=opts.token_ids)
     ds.context.target_max_block_size = READ_BLOCK_BYTES  # units leave read tasks as they are read
     ds.context.execution_options.preserve_order = cfg.data.deterministic

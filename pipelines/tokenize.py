@@ -1,6 +1,7 @@
-"""Tokenize: the CPU actor stage, ``(sample_id, record)`` blocks -> ``(sample_id, input_ids, labels)``.
+"""Tokenize: the CPU stage, ``(sample_id, record)`` blocks -> ``(sample_id, input_ids, labels)``.
 
-Each actor loads the tokenizer once. Per batch it parses the JSON records, formats them
+Each process that runs it (a tokenizer actor, or a read worker: ``data.tokenize.placement``) loads the
+tokenizer once. Per batch it parses the JSON records, formats them
 (:mod:`pipelines.formats`), encodes all texts in one batch call of the Rust tokenizer, and turns
 each format's trained character spans into labels (:mod:`pipelines.labels`), so the cost per sample
 is a few lookups, not a loop over tokens. With a byte-level BPE tokenizer (GPT-2, Llama 3, Qwen,
@@ -64,14 +65,15 @@ class Pretokenized:
 
 
 class Tokenizer:
-    """Callable actor class for ``map_batches``: records -> token ids and labels.
+    """Callable for ``map_batches`` (an actor's, or inside the read tasks): records -> token ids and labels.
 
     Records that already hold ``input_ids`` (pre-tokenized MDS such as llm-foundry's concat-tokens
     layout or ``ray_jobs/convert.py --tokenize`` output) skip formatting and tokenization.
 
     Constructor arguments are small: configs, the file table (for error locations) and the stats sink;
     ``env`` (the actors': :func:`pipelines.dataset.tokenizer_env`) is set in the process before anything
-    loads, replacing what it inherited. Without it, the thread settings are only defaults.
+    loads, replacing what it inherited. Without it (in the read tasks, whose ``runtime_env`` sets it), the
+    thread settings are only defaults.
     """
 
     def __init__(self, data: DataConfig, model: ModelConfig, table: SourceTable, sink: StatsSink, threads: int = 1,

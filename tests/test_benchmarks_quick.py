@@ -229,7 +229,8 @@ def test_ray_floors_old_env_case_gives_the_pool_a_runtime_env(ray_local, tmp_pat
     from pipelines.dataset import build_dataset, tokenizer_env
 
     path = write_jsonl(tmp_path / "a.jsonl", json.loads(ALPACA.read_text(encoding="utf-8"))[:20])
-    cfg = make_config([{"path": str(path), "type": "alpaca"}], tokenize={"num_actors": 1, "threads": 1})
+    cfg = make_config([{"path": str(path), "type": "alpaca"}],
+                      tokenize={"num_actors": 1, "threads": 1, "placement": "actors"})
     original = ray.data.Dataset.map_batches
     try:
         _ray_floors()._env_as_runtime_env()

@@ -230,7 +230,7 @@ def test_pretokenized_sets_pack_inside_the_read_tasks(ray_local, tmp_path, gpt2)
         got = pa.concat_tables(ds.iter_batches(batch_size=None, batch_format="pyarrow")).select(want.column_names)
         assert got.num_rows > 20 and got.to_pylist() == want.to_pylist()
         assert sum(len(r) for r in got.column("input_ids").to_pylist()) == sum(len(c) for c in chunks)
-        assert "ReadShards->MapBatches(_check_and_pack)" in ds.stats()  # fused: one operator, tasks only
+        assert "ReadShards->MapBatches(_in_read_task)" in ds.stats()  # fused: one operator, tasks only
 
     mixed = make_config([{"path": str(root), "type": "completion"}, {"path": str(ALPACA), "type": "alpaca"}])
     mixed_table = resolve_sources(mixed)

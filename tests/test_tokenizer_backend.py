@@ -99,13 +99,15 @@ print(os.environ["RAYON_NUM_THREADS"], os.environ["TOKENIZERS_PARALLELISM"], os.
 @needs_shared
 def test_tokenizer_pool_has_no_runtime_env(ray_local, tmp_path):
     """No ``runtime_env`` on the tokenizer pool (a worker with an environment of its own cannot be an idle,
-    already started one; see ``tokenizer_env``); the environment travels in the constructor's arguments."""
+    already started one; see ``tokenizer_env``); the environment travels in the constructor's arguments.
+    (Inside the read tasks it is their ``runtime_env``: tests/test_tokenizer_placement.py.)"""
     from ray.data._internal.logical.operators.map_operator import MapBatches
 
     from pipelines.dataset import build_dataset, tokenizer_env
 
     path = write_jsonl(tmp_path / "a.jsonl", json.loads(ALPACA.read_text(encoding="utf-8"))[:20])
-    cfg = make_config([{"path": str(path), "type": "alpaca"}], tokenize={"num_actors": 1, "threads": 2})
+    cfg = make_config([{"path": str(path), "type": "alpaca"}],
+                      tokenize={"num_actors": 1, "threads": 2, "placement": "actors"})
     ops, maps = [build_dataset(cfg)._logical_plan.dag], []
     while ops:
         op = ops.pop()
