@@ -39,7 +39,7 @@ print('AB ' + json.dumps(r))
 
 def systems(data: Path) -> dict[str, tuple[dict, dict | None]]:
     """``stage``: ours' stages in one process at 2 threads (as B1); ``ours``: ``build_dataset`` through Ray,
-    default pool (as B2)."""
+    default config (as B2)."""
     return {
         "stage": ({"tokenizer": str(bl.GPT2), "data": str(data)}, {"RAYON_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "true"}),
         "ours": (ours_params(data, 2), None),

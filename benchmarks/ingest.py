@@ -45,9 +45,11 @@ QUICK_RECORDS = 2 * 999
 # Tokenizer-pool settings tried for build_dataset (``data.tokenize.*``). "default" is the config default.
 POOL_SETTINGS: dict[str, dict[str, Any]] = {
     "default": {},
-    "1 actor x 1 CPU, 2 threads": {"num_actors": 1, "num_cpus": 1.0, "threads": 2},
-    "1 actor x 1 CPU, 2 threads, batch 2048": {"num_actors": 1, "num_cpus": 1.0, "threads": 2, "batch_size": 2048},
-    "1 actor x 0.5 CPU, 2 threads": {"num_actors": 1, "num_cpus": 0.5, "threads": 2},
+    "in read tasks, 1 CPU, 2 threads": {"placement": "read_tasks", "num_actors": 1, "num_cpus": 1.0, "threads": 2},
+    "in read tasks, 1 CPU, 2 threads, batch 2048": {"placement": "read_tasks", "num_actors": 1, "num_cpus": 1.0,
+                                                    "threads": 2, "batch_size": 2048},
+    "1 actor x 1 CPU, 2 threads": {"placement": "actors", "num_actors": 1, "num_cpus": 1.0, "threads": 2},
+    "1 actor x 0.5 CPU, 2 threads": {"placement": "actors", "num_actors": 1, "num_cpus": 0.5, "threads": 2},
     "2 actors x 0.5 CPU, 1 thread": {"num_actors": 2, "num_cpus": 0.5, "threads": 1},
     "2 actors x 0.75 CPU, 1 thread": {"num_actors": 2, "num_cpus": 0.75, "threads": 1},
 }
@@ -58,12 +60,13 @@ def describe_default_pool(cpus: int) -> str:
     """What ``default`` resolves to on this machine (read from the project's config and sizing code)."""
     try:
         from pipelines.config import TokenizeConfig
-        from pipelines.dataset import tokenizer_pool_size
+        from pipelines.dataset import tokenizer_placement, tokenizer_pool_size
 
         tok = TokenizeConfig()
         lo, hi = tokenizer_pool_size(tok, float(cpus))
         actors = f"{lo}" if lo == hi else f"{lo}-{hi}"
-        return (f"num_actors={tok.num_actors} ({actors} on {cpus} CPUs), num_cpus={tok.num_cpus}, "
+        return (f"placement={tok.placement} ({tokenizer_placement(tok, float(cpus))} on {cpus} CPUs), "
+                f"num_actors={tok.num_actors} ({actors} on {cpus} CPUs), num_cpus={tok.num_cpus}, "
                 f"threads={tok.threads}, batch_size={tok.batch_size}")
     except Exception as err:  # the library is being changed; the benchmark still runs
         return f"(could not read the defaults: {err})"
@@ -111,7 +114,7 @@ def run_ingest(work: Path, n_records: int, repeats: int, cpus: int, sweep: list[
     # Best by end-to-end rate: robust to the burst of rows that follows a late first row.
     best = max(ok, key=lambda k: ok[k]["e2e_tok_s"]) if ok else None
     if best and best != "default" and repeats > 1:
-        say(f"  ours build_dataset, best pool '{best}' again ...", flush=True)
+        say(f"  ours build_dataset, best setting '{best}' again ...", flush=True)
         more = bl.repeat_system("ours", ours_params(data_dir, cpus, POOL_SETTINGS[best]), repeats - 1, **kw)
         if "error" not in more:
             sweep_res[best] = _merge_runs(sweep_res[best], more)
@@ -187,9 +190,9 @@ def ingest_rows(res: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
 
 
 def targets(res: dict[str, Any]) -> list[list[Any]]:
-    """Target checks for the default and the best pool setting."""
+    """Target checks for the default and the best tokenizer setting."""
     out = []
-    for label, key in (("default pool", "default"), ("best pool", res.get("ours_best"))):
+    for label, key in (("default config", "default"), ("best setting", res.get("ours_best"))):
         r = res.get("ours_sweep", {}).get(key) if key else None
         if not r or "error" in r:
             out.append([label, "not available", "-", "-"])
@@ -246,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run_ingest(args.work, records, repeats, args.cpus, sweep, args.work / "logs")
     d = res["_data"]
     print(f"\ndata: {d['files']} JSONL shards, {d['records']} records, {d['bytes'] / 1e6:.1f} MB; "
-          f"default pool: {describe_default_pool(args.cpus)}\n")
+          f"default tokenizer stage: {describe_default_pool(args.cpus)}\n")
     headers, rows = ingest_rows(res)
     print(bl.md_table(headers, rows))
     print()

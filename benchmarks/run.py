@@ -139,9 +139,9 @@ PEERS = {"hf_stream": "HF datasets streaming + map", "mosaic": "mosaic Streaming
 def b2_systems(ctx: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     ing, b2 = ctx["ingest"], ctx["results"].get("B2", {})
     best = ing.get("ours_best")
-    rows = [("ours: build_dataset, default pool", ing.get("ours"))]
+    rows = [("ours: build_dataset, default config", ing.get("ours"))]
     if best and best != "default":
-        rows.append((f"ours: build_dataset, best pool ({best})", ing["ours_sweep"][best]))
+        rows.append((f"ours: build_dataset, best setting ({best})", ing["ours_sweep"][best]))
     if "ours_local" in ing:
         rows.append(("ours: iter_packed_local (1 process, no Ray)", ing["ours_local"]))
     rows.append((PEERS["hf_stream"], ing.get("hf_stream")))
@@ -208,7 +208,7 @@ def sweep_md(ctx: dict[str, Any]) -> str:
                      bl.fmt_rate(r.get("steady_tok_s")), bl.fmt_rate(r.get("e2e_tok_s")),
                      ingest.ratio(r, ing.get("raw 2t")), r.get("ttfb_s"), r.get("peak_rss_mb"),
                      r.get("cpu_s_per_mtok"), r.get("repeats", 1)])
-    return bl.md_table(["pool", "data.tokenize", "steady tok/s", "end-to-end tok/s", "x B1 (2t)", "first row s",
+    return bl.md_table(["setting", "data.tokenize", "steady tok/s", "end-to-end tok/s", "x B1 (2t)", "first row s",
                         "peak RSS MB", "CPU s / M tok", "repeats"], rows)
 
 
@@ -512,7 +512,7 @@ def target_rows(ctx: dict[str, Any]) -> list[list[str]]:
     def status(v: float | None, ok: bool) -> str:
         return NA if v is None else ("met" if ok else "MISSED")
 
-    pools = [("default pool", ours)] + ([(f"best pool: {best}", ours_best)] if best and best != "default" else [])
+    pools = [("default config", ours)] + ([(f"best setting: {best}", ours_best)] if best and best != "default" else [])
     for tag, r in pools:
         if not r or "error" in r:
             rows.append(["B2", f"ours ({tag}) >= 1.0x best peer, >= 0.8x B1", NA, NA])
@@ -526,7 +526,7 @@ def target_rows(ctx: dict[str, Any]) -> list[list[str]]:
             ok = bool(st and st >= target) and not b
             rows.append(["B2", f"ours ({tag}) steady >= {target}x {what}", text,
                          "burst: see marginal rate" if b and st else status(st, ok)])
-        if tag == "default pool":
+        if tag == "default config":
             t = r.get("ttfb_s")
             rows.append(["B2", "first packed row <= ray.init + 2 s (issue 2)",
                          f"{t:.2f} s after ray.init ({r.get('init_s', 0):.2f} s)" if t is not None else NA,
@@ -698,7 +698,7 @@ def write_report(ctx: dict[str, Any], out_md: Path, plots: list[str], plot_rel: 
         "",
         b2_md(ctx) if "B2" in res else f"{NA}: {res.get('B2_error', '')}",
         "",
-        f"### Tokenizer pool settings for `build_dataset` (default: {ingest.describe_default_pool(ctx['cpus'])})",
+        f"### Tokenizer stage settings for `build_dataset` (default: {ingest.describe_default_pool(ctx['cpus'])})",
         "",
         sweep_md(ctx),
         "",

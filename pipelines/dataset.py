@@ -228,10 +228,10 @@ def tokenizer_placement(tok: TokenizeConfig, cpus: float | None = None) -> str:
 
 
 def read_task_args(cfg: Config, token_ids: bool) -> dict[str, Any]:
-    """Ray remote arguments of the read tasks. A stage fused into them must have the same (Ray Data fuses
-    only equal ones), so where the tokenizer runs in them they reserve what a tokenizer actor would, with its
-    environment as a ``runtime_env``: a read worker is shared with other tasks and actors, which must not
-    inherit ``USE_TORCH=0`` (:func:`tokenizer_env`), so it gets workers of its own."""
+    """Ray remote arguments of :func:`build_dataset`'s read tasks. A stage fused into them must have the
+    same (Ray Data fuses only equal ones), so where the tokenizer runs in them they reserve what a tokenizer
+    actor would, with its environment as a ``runtime_env``: a read worker is shared with other tasks and
+    actors, which must not inherit ``USE_TORCH=0`` (:func:`tokenizer_env`), so it gets workers of its own."""
     tok = cfg.data.tokenize
     if token_ids or tokenizer_placement(tok) == "actors":
         return {"num_cpus": cfg.data.read_num_cpus}

@@ -83,7 +83,7 @@ def best_fit_decreasing(lengths: list[int] | np.ndarray, capacity: int) -> list[
 
 @dataclass
 class Samples:
-    """A buffer of tokenized samples as flat numpy arrays (``offsets`` delimit samples)."""
+    """A buffer of tokenized samples: their ids, and each one's token ids and labels (numpy views into the block)."""
 
     sample_ids: np.ndarray
     ids: list[np.ndarray]
