@@ -84,21 +84,25 @@ def test_both_placements_give_the_rows_and_counts_of_the_local_path(ray_local, t
 @needs_shared
 def test_the_read_workers_environment_stays_with_them(ray_local, tmp_path):
     """After a stream that tokenized chats inside the read tasks (transformers loaded there with
-    ``USE_TORCH=0``), plain tasks land in workers without that environment. Were it set in the read
-    worker's own process, Ray would hand that worker on, and a train worker there could not see torch."""
+    ``USE_TORCH=0``, 1 Rust thread), plain tasks land in workers with the environment they had before. Were
+    it set in the read worker's own process, Ray would hand that worker on, and a train worker there could
+    not see torch."""
     import ray
 
     from pipelines.dataset import build_dataset
 
+    @ray.remote(num_cpus=0.5)
+    def probe() -> tuple[str | None, str | None]:
+        return os.environ.get("USE_TORCH"), os.environ.get("RAYON_NUM_THREADS")
+
+    # The workers' own environment (inherited from the process that started Ray: a test that tokenized in
+    # this process before may have set the Rust threads there).
+    before = set(ray.get([probe.remote() for _ in range(4)]))
+    assert len(before) == 1 and ("0", "1") not in before  # a leak would be visible
     write_jsonl(tmp_path / "glaive.jsonl", json.loads(GLAIVE.read_text(encoding="utf-8"))[:100])
     cfg = make_config([{"path": str(tmp_path / "glaive.jsonl"), "type": "chat_template"}], tokenizer=SMOLLM2,
                       sequence_len=1024, tokenize={"num_actors": 1, "num_cpus": 0.5, "threads": 1,
                                                    "placement": "read_tasks"})
     assert _rows(build_dataset(cfg)).num_rows > 5
-
-    @ray.remote(num_cpus=0.5)
-    def probe() -> tuple[int, str | None, str | None]:
-        return os.getpid(), os.environ.get("USE_TORCH"), os.environ.get("RAYON_NUM_THREADS")
-
-    seen = ray.get([probe.remote() for _ in range(12)])
-    assert {(use_torch, rayon) for _, use_torch, rayon in seen} == {(None, None)}, seen
+    after = ray.get([probe.remote() for _ in range(12)])
+    assert set(after) == before, after

@@ -12,6 +12,7 @@ import json
 import re
 
 import pyarrow as pa
+import pytest
 from conftest import LIMA, make_config, needs_shared, write_jsonl
 
 from pipelines.datasource import read_files
@@ -21,13 +22,14 @@ from pipelines.units import FIRST_UNIT_BYTES, explode_units
 COPIES, PACK = 5, 2000
 
 
-def _cfg(tmp_path):
+def _cfg(tmp_path, placement: str = "auto"):
     # LIMA 5 times over: 5,145 real records of ~2.9 kB. 2,000-record units are ~5.8 MB, over the 4 MB
     # block target; the first unit ends at 256 kB of records (~90), the last holds the rest.
     records = json.loads(LIMA.read_text(encoding="utf-8")) * COPIES
     path = write_jsonl(tmp_path / "lima5.jsonl", records)
     return make_config([{"path": str(path), "type": "alpaca"}], sequence_len=1024, pack_buffer_size=PACK,
-                       read_tasks=1)
+                       read_tasks=1, tokenize={"num_actors": 1, "num_cpus": 0.5, "batch_size": 256,
+                                               "placement": placement})
 
 
 @needs_shared
@@ -50,18 +52,22 @@ def test_read_blocks_are_one_row_per_unit_and_first_unit_is_small(tmp_path):
 
 
 @needs_shared
-def test_read_operator_emits_one_block_per_unit_and_rows_match_local(ray_local, tmp_path):
+@pytest.mark.parametrize("placement", ["actors", "read_tasks"])
+def test_read_operator_emits_one_block_per_unit_and_rows_match_local(ray_local, tmp_path, placement):
     from pipelines.dataset import build_dataset, iter_packed_local
 
-    cfg = _cfg(tmp_path)
+    cfg = _cfg(tmp_path, placement)
     ds = build_dataset(cfg)
     rows = [r for b in ds.iter_batches(batch_size=None, batch_format="pyarrow") for r in b.to_pylist()]
     stats = ds.stats()
-    m = re.search(r"ReadShards[^\n]*?(\d+) tasks executed, (\d+) blocks produced", stats)
+    m = re.search(r"ReadShards([^\n]*?): (\d+) tasks executed, (\d+) blocks produced", stats)
     assert m, stats[:2000]
-    tasks, blocks = int(m.group(1)), int(m.group(2))
+    fused, tasks, blocks = m.group(1), int(m.group(2)), int(m.group(3))
     # read_tasks 1, plus the first unit's own task; blocks: the small first unit, 2 x 2,000 records, the rest
-    assert tasks == 2 and blocks == 4, stats[:2000]
+    if placement == "actors":
+        assert fused == "" and tasks == 2 and blocks == 4, stats[:2000]
+    else:  # the tokenizer in the read tasks: a unit's packed rows (4 MB blocks) leave as it is packed
+        assert fused == "->MapBatches(_in_read_task)" and tasks == 2 and blocks >= 4, stats[:2000]
     local = [r for t in iter_packed_local(cfg) for r in t.to_pylist()]
     assert len(rows) == len(local) > 100
     assert [r["sample_ids"] for r in rows] == [r["sample_ids"] for r in local]
