@@ -105,7 +105,7 @@ def main() -> None:
         res[f"{int(frac * 100)}%"] = {"ours_s": round(ours, 2), "skip_s": round(skip, 2)}
     ray.shutdown()
     print(f"data: {copies} JSONL shards x 999 Alpaca records, {total_rows} packed rows of 1024, GPT-2; "
-          f"median of {repeats}; time to the first row after resuming (tokenizer actor start-up included)")
+          f"median of {repeats}; time to the first row after resuming (start-up of the process that tokenizes included)")
     print("| position | ours: seek to unit (s) | skip N rows (s) | skip / ours |")
     print("|---|---:|---:|---:|")
     for pos, r in res.items():

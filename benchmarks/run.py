@@ -628,7 +628,8 @@ def notes(ctx: dict[str, Any]) -> list[str]:
     out = ["Notes from this run:", ""]
     if ours.get("ttfb_s") is not None:
         out.append(f"- ours' first row came {ours['ttfb_s']:.2f} s after `ray.init` ({ours['init_s']:.2f} s). It needs the "
-                   "tokenizer actor started (a worker process that imports `ray.data` and the pipeline, then loads the "
+                   "process that tokenizes started (on 2 CPUs the read task itself, `data.tokenize.placement: auto`; "
+                   "elsewhere a tokenizer actor: a worker process that imports `ray.data` and the pipeline, then loads the "
                    "tokenizer: the Rust one for these Alpaca records; `benchmarks/ray_floors.py` measures Ray Data's own "
                    "share) and "
                    "the stream's first unit (256 kB of records, `FIRST_UNIT_BYTES`; a read task of its own) read, "
@@ -674,7 +675,7 @@ def write_report(ctx: dict[str, Any], out_md: Path, plots: list[str], plot_rel: 
         "pool-sweep settings other than the default and the best: 1 run each",
         "- timing: `init` = framework start-up (`ray.init`); `first row (after init)` = from the start of data work to the "
         "first (packed) row in the consumer's hands (peers have loaded their tokenizer before it; ours loads it in the "
-        "tokenizer actors, after it); `first row (from process start)` = the same from the launch of the process, "
+        "process that tokenizes, after it); `first row (from process start)` = the same from the launch of the process, "
         "imports, tokenizer loading and init included (the fair cold-start comparison); steady state = tokens after the first batch / time after it; "
         "peak RSS = summed RSS of the whole process tree (Ray's GCS, raylet and workers included; shared pages "
         "count once per process, so it is an upper bound and is large for Ray)",

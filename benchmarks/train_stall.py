@@ -2,7 +2,7 @@
 
 Trains the same tiny model on CPU for the same number of steps twice, in one Ray instance:
 
-1. fed by ``build_dataset`` the default way (``build_trainer(cfg)``: read -> tokenizer actors ->
+1. fed by ``build_dataset`` the default way (``build_trainer(cfg)``: read -> tokenize (in the read tasks on 2 CPUs) ->
    packing, served per step by the exactly-once feeder, concurrently with training on the same CPUs),
 2. fed by synthetic packed rows of the same shape (``sequence_len`` tokens, the same micro-batch),
    already in memory (``ray.data.from_items`` handed to the trainer): the data path at its fastest.
