@@ -210,7 +210,8 @@ class TokenizeConfig(_Strict):
         "read_tasks: inside the read tasks (fused, no actor to start, blocks never cross the object store), each "
         "then reserving num_cpus and resources instead of read_num_cpus, up to num_actors at once; a file group is "
         "tokenized by its one task. auto: read_tasks where the pool would hold one actor at most and resources is "
-        "empty (a lone actor adds a process and an object-store hop, and no parallelism), actors otherwise. convert.py --tokenize always uses actors."
+        "empty (a lone actor adds a process and an object-store hop, and no parallelism), actors otherwise. "
+        "convert.py --tokenize always uses actors."
     )
 
     @field_validator("num_actors", "threads")

@@ -219,7 +219,7 @@ def tokenizer_placement(tok: TokenizeConfig, cpus: float | None = None) -> str:
 
     Example: 2 CPUs, ``num_cpus: 1`` -> a pool of (1, 1) -> ``read_tasks``: a lone actor runs the units one
     after another as the read task would, but costs a process start and every unit's trip through the object
-    store (B2, BENCHMARKS.md: first packed row 2.7 -> 1.9 s, 12% less CPU). 16 CPUs -> (1, 15) -> ``actors``:
+    store (B2, BENCHMARKS.md: first packed row 2.49 -> 2.04 s, 11% less CPU). 16 CPUs -> (1, 15) -> ``actors``:
     15 tokenizers share the units of 8 read tasks, where fused each file group would have one.
     """
     if tok.placement != "auto":
