@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -83,6 +84,7 @@ class Tokenizer:
         os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "true" if threads > 1 else "false")
         self.data, self.model, self.table, self.sink = data, model, table, sink
+        self._pool: ThreadPoolExecutor | None = None  # the encode thread (_encoder)
         # Chat templates need the transformers tokenizer; other formats only the Rust one, which loads
         # without importing transformers when that gives the same encoding (pipelines.tokenizer).
         self._hf = load_tokenizer(model) if any(ds.type in HF_FORMATS for ds in table.datasets) else None
@@ -165,22 +167,54 @@ class Tokenizer:
         """Whether texts encoded with this flag go without offsets (their labels then come from the ids)."""
         return self.byte_spans is not None and self.byte_spans.usable(add_special_tokens)
 
-    def _tokenize(self, items: list[Formatted]) -> list[Encoded]:
-        """Each item's ids, labels and span straddles, in batches of ``data.tokenize.batch_size`` grouped
-        by whether the tokenizer adds its special tokens (the flag is per batch call)."""
-        out: list[Encoded | None] = [None] * len(items)
+    def _format_and_encode(self, sids: list[int], records: list[str], counts: Counts
+                           ) -> tuple[list[Formatted | Pretokenized | None], dict[int, Encoded]]:
+        """Every record formatted, and the formatted ones encoded (by index), ``data.tokenize.batch_size``
+        records at a time, in a pipeline: the Rust tokenizer's batch call (it releases the GIL) encodes one
+        slice on the stage's encode thread while this thread formats the next slice and then labels the one
+        before, so the per-sample Python runs beside the encoding instead of after it.
+
+        Three slices, time going down (``F`` format, ``E`` encode, ``L`` labels)::
+
+            this thread    F0  F1  L0  F2  L1      L2
+            encode thread      E0  E1      E2
+
+        Within a slice there is one call per ``add_special_tokens`` flag (the flag is per call). What a
+        sample encodes to does not depend on its call, so the rows are those of one call per batch.
+        """
+        formatted: list[Formatted | Pretokenized | None] = []
+        encoded: dict[int, Encoded] = {}
+        pending: list[tuple[bool, list[int], Future]] = []
         step = self.data.tokenize.batch_size
-        for flag in (True, False):
-            idx = [i for i, f in enumerate(items) if f.add_special_tokens is flag]
-            for c in range(0, len(idx), step):
-                chunk = idx[c : c + step]
-                group = [items[i] for i in chunk]
-                encs = self._encode([f.text for f in group], flag)
-                done = (self._from_ids(group, encs) if self._fast(flag)
-                        else [self._with_offsets(f, enc) for f, enc in zip(group, encs, strict=True)])
-                for i, sample in zip(chunk, done, strict=True):
-                    out[i] = sample
-        return out  # type: ignore[return-value]  # every index was filled
+        for start in range(0, len(records), step):
+            formatted.extend(self._format(sid, rec, counts)
+                             for sid, rec in zip(sids[start : start + step], records[start : start + step], strict=True))
+            submitted = []
+            for flag in (True, False):
+                idx = [i for i in range(start, len(formatted))
+                       if isinstance(formatted[i], Formatted) and formatted[i].add_special_tokens is flag]
+                if idx:
+                    texts = [formatted[i].text for i in idx]
+                    submitted.append((flag, idx, self._encoder().submit(self._encode, texts, flag)))
+            self._label(pending, formatted, encoded)  # the slice before, while this one encodes
+            pending = submitted
+        self._label(pending, formatted, encoded)
+        return formatted, encoded
+
+    def _encoder(self) -> ThreadPoolExecutor:
+        """The stage's one encode thread (made on first use: the stage object itself is never pickled)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")
+        return self._pool
+
+    def _label(self, calls: list[tuple[bool, list[int], Future]], formatted: list[Any], encoded: dict[int, Encoded]) -> None:
+        """Ids and labels of a slice's encoded samples, into ``encoded`` by index."""
+        for flag, idx, future in calls:
+            group = [formatted[i] for i in idx]
+            encs = future.result()
+            done = (self._from_ids(group, encs) if self._fast(flag)
+                    else [self._with_offsets(f, enc) for f, enc in zip(group, encs, strict=True)])
+            encoded.update(zip(idx, done, strict=True))
 
     def _from_ids(self, group: list[Formatted], encs: list[Any]) -> list[Encoded]:
         """The fast path for one batch call, on flat arrays: ids, labels from the ids' byte lengths
@@ -239,7 +273,7 @@ class Tokenizer:
         counts = Counts()
         batch = explode_units(batch)
         sids = batch.column("sample_id").to_pylist()
-        formatted = [self._format(sid, rec, counts) for sid, rec in zip(sids, batch.column("record").to_pylist(), strict=True)]
+        formatted, encoded = self._format_and_encode(sids, batch.column("record").to_pylist(), counts)
         live = [i for i, f in enumerate(formatted) if isinstance(f, Formatted)]
         for i in live:  # what the formatter did to a sample (e.g. tools moved into a system turn)
             for key in formatted[i].counters:
@@ -252,7 +286,8 @@ class Tokenizer:
             all_ids[i], all_labels[i] = f.ids, f.labels
             n_kept, n_tokens = n_kept + 1, n_tokens + len(f.ids)
             counts.add("samples_pretokenized")
-        for i, sample in zip(live, self._tokenize([formatted[i] for i in live]), strict=True):
+        for i in live:
+            sample = encoded[i]
             if sample.straddles:
                 counts.add("label_span_straddles", sample.straddles, self.table.where(sids[i]))
             if not sample.trained:

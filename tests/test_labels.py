@@ -200,3 +200,52 @@ def test_a_batch_labels_each_sample_as_the_offsets_do(rust_tokenizers, which, sa
         want, want_straddles = span_labels(np.asarray(enc.ids, dtype=np.int32), enc, spans[k])
         assert labels[offsets[k] : offsets[k + 1]].tolist() == want.tolist()
         assert straddles[k] == want_straddles
+
+
+def _mixed_records(kind: str) -> list:
+    """Real records of ``kind`` with bad, untrainable and pre-tokenized lines among them (JSONL lines)."""
+    if kind == "chat_template":
+        good = [json.dumps(r) for r in json.loads(GLAIVE.read_text())[:24]]
+        odd = ['{"conversations": [',  # malformed JSON
+               json.dumps({"conversations": [{"from": "human", "value": "hi"}]}),  # no assistant turn
+               json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": " "}]}),
+               json.dumps({"input_ids": [31, 32, 33], "labels": [-100, 32, 33]})]
+    else:
+        good = [json.dumps(r) for r in json.loads(ALPACA.read_text())[:24]]
+        odd = ['{"instruction": ', '["not", "an", "object"]', json.dumps({"instruction": "x"}),
+               json.dumps({"input_ids": [31, 32, 33], "labels": [-100, 32, 33]})]
+    lines = list(good)
+    for k, line in enumerate(odd):  # spread over the block: some slices hold several, some none
+        lines.insert(3 + 5 * k, line)
+    return lines
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "offsets"])
+@pytest.mark.parametrize(("kind", "tokenizer"), [("chat_template", SMOLLM2), ("alpaca", GPT2)], ids=["chat", "alpaca"])
+def test_pipelined_slices_give_the_rows_and_counters_of_one_call(tmp_path, kind, tokenizer, fast):
+    """The stage encodes ``data.tokenize.batch_size`` records at a time on its encode thread while it
+    formats and labels the neighbouring slices. Whatever the slice size (1: every record encoded alone;
+    3 and 7: slices that end inside runs of bad records; 10_000: the whole block in one call), each row
+    and every counter, with its examples in order, is the same."""
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(_mixed_records(kind)) + "\n", encoding="utf-8")
+    outputs = []
+    for size in (1, 3, 7, 10_000):
+        cfg = make_config([{"path": str(path), "type": kind}], tokenizer=tokenizer, on_bad_record="skip",
+                          sequence_len=4096, tokenize={"num_actors": 1, "num_cpus": 0.5, "batch_size": size})
+        table, sink = resolve_sources(cfg), StatsSink()
+        opts = ReadOptions(table.storage, cfg.data.on_bad_record, tuple(d.text_field for d in table.datasets))
+        tok = Tokenizer(cfg.data, cfg.model, table, sink)
+        if not fast:
+            tok.byte_spans = None
+        blocks = [tok(b).select(["sample_id", "input_ids", "labels"]).to_pydict() for b in read_files(list(table.files), opts, sink)]
+        outputs.append((blocks, dict(sink.local.counters), sink.local.examples))
+    blocks, counters, examples = outputs[0]
+    rows = [ids for block in blocks for ids in block["input_ids"]]
+    assert len(rows) == 28 and sum(1 for ids in rows if ids) == 25  # 24 records and the pre-tokenized one
+    assert rows[18] == [31, 32, 33]  # the pre-tokenized line, in its place
+    assert counters["skipped_bad_record"] == (2 if kind == "chat_template" else 3)
+    assert counters.get("skipped_no_trained_tokens", 0) == (1 if kind == "chat_template" else 0)
+    assert counters["samples_pretokenized"] == 1 and len(examples["skipped_bad_record"]) == counters["skipped_bad_record"]
+    for other in outputs[1:]:
+        assert other == outputs[0]
