@@ -195,7 +195,9 @@ class TokenizeConfig(_Strict):
     num_actors: int | Literal["auto"] = Field(
         "auto", description="Tokenizer actors; auto: one per CPU left after reads (at least 1)."
     )
-    batch_size: int = Field(512, gt=0, description="Samples per tokenizer call; the stage formats and labels the next slice while one encodes.")
+    batch_size: int = Field(
+        512, gt=0, description="Samples per tokenizer call; the stage formats and labels the next slice while one encodes."
+    )
     num_cpus: float = Field(1.0, gt=0, description="CPUs reserved per tokenizer actor.")
     threads: int | Literal["auto"] = Field(
         "auto", description="Rust tokenizer threads per actor (RAYON_NUM_THREADS); auto: the CPUs per actor "

@@ -1,11 +1,11 @@
 """Tokenize: the CPU stage, ``(sample_id, record)`` blocks -> ``(sample_id, input_ids, labels)``.
 
 Each process that runs it (a tokenizer actor, or a read worker: ``data.tokenize.placement``) loads the
-tokenizer once. Per block it parses the JSON records, formats them
-(:mod:`pipelines.formats`), encodes the texts in batch calls of the Rust tokenizer
-(``data.tokenize.batch_size`` texts each, on the stage's encode thread, while this thread formats and
-labels the neighbouring slices), and turns each format's trained character spans into labels
-(:mod:`pipelines.labels`), so the cost per sample is a few lookups, not a loop over tokens. With a byte-level BPE tokenizer (GPT-2, Llama 3, Qwen,
+tokenizer once. Per block it parses the JSON records, formats them (:mod:`pipelines.formats`),
+encodes the texts in batch calls of the Rust tokenizer (``data.tokenize.batch_size`` texts each, on
+the stage's encode thread, while this thread formats and labels the neighbouring slices), and turns
+each format's trained character spans into labels (:mod:`pipelines.labels`), so the cost per sample
+is a few lookups, not a loop over tokens. With a byte-level BPE tokenizer (GPT-2, Llama 3, Qwen,
 SmolLM2) the batch call is ``encode_batch_fast``, which skips computing offsets, and the labels come
 from the tokens' byte lengths, for the whole batch at once in flat arrays (ids, labels and EOS never
 handled per sample in Python); any other tokenizer uses ``encode_batch`` and its offsets.
