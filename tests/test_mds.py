@@ -361,13 +361,21 @@ def _write_config(path: Path, data_path: Path, tokenizer: Path, **data) -> Path:
     return path
 
 
+def _summary(stdout: str) -> dict:
+    """convert.py's JSON summary: its one line of stdout that is a JSON object. Ray's driver log lines
+    (e.g. the raylet's "N PYTHON worker processes have been started" warning) can come before it."""
+    found = [line for line in stdout.splitlines() if line.startswith("{")]
+    assert len(found) == 1, stdout
+    return json.loads(found[0])
+
+
 def test_convert_tokenize_once_then_train_from_it(ray_local, tmp_path, alpaca, capsys):
     convert = load_ray_job("convert")
     config = _write_config(tmp_path / "gpt2.yaml", ALPACA, GPT2)
     out = tmp_path / "alpaca-gpt2"
     assert convert.main(["--tokenize", "--config", str(config), "--output", str(out), "--size-limit", "128kb",
                          "--write-tasks", "2"]) == 0
-    summary = json.loads(capsys.readouterr().out.splitlines()[0])
+    summary = _summary(capsys.readouterr().out)
     assert summary["rows"] == len(alpaca) and summary["shards"] >= 4
     meta = json.loads((out / "tokenized.json").read_text())
     from transformers import AutoTokenizer
@@ -406,7 +414,7 @@ def test_convert_streams_into_parts_of_whole_shards_in_source_order(ray_local, t
     out = tmp_path / "parts"
     assert convert.main(["--tokenize", "--config", str(config), "--output", str(out), "--size-limit", "16kb",
                          "--write-tasks", "2"]) == 0
-    summary = json.loads(capsys.readouterr().out.splitlines()[0])
+    summary = _summary(capsys.readouterr().out)
     cfg = make_config([{"path": str(ALPACA), "type": "alpaca"}])
     records = [rec for _, rec in read_all_records(resolve_sources(cfg), _read_opts(cfg))]  # what convert samples
     floor = convert.rows_per_part(records, 16 << 10)
@@ -434,7 +442,7 @@ def test_convert_raw_keeps_columns_and_order(ray_local, tmp_path, alpaca, capsys
 
     out = tmp_path / "raw"
     assert convert.main(["--input", str(ALPACA), "--output", str(out), "--size-limit", "64kb", "--hashes", "sha1"]) == 0
-    summary = json.loads(capsys.readouterr().out)
+    summary = _summary(capsys.readouterr().out)
     assert summary["columns"] == {"instruction": "str", "input": "str", "output": "str"}
     sd = StreamingDataset(local=str(out), shuffle=False, batch_size=1, validate_hash="sha1")
     assert [sd[i] for i in range(sd.num_samples)] == alpaca
