@@ -209,7 +209,7 @@ class TokenizeConfig(_Strict):
     )
     placement: Literal["auto", "actors", "read_tasks"] = Field(
         "auto", description="Where the tokenizer runs. actors: a pool of num_actors, each num_cpus and resources; "
-        "read_tasks: inside the read tasks (fused, no actor to start, blocks never cross the object store), each "
+        "read_tasks: inside the read tasks (no actor to start, blocks never cross the object store), each "
         "then reserving num_cpus and resources instead of read_num_cpus, up to num_actors at once; a file group is "
         "tokenized by its one task. auto: read_tasks where the pool would hold one actor at most and resources is "
         "empty (a lone actor adds a process and an object-store hop, and no parallelism), actors otherwise. "

@@ -5,10 +5,10 @@
     sample_ids, records (lists)                  sample_ids (+ unit_* columns), one row per packed row
 
 The tokenizer runs where ``data.tokenize.placement`` says (:func:`tokenizer_placement`): in a pool of
-actors, or inside the read tasks (Ray Data fuses it into them: no actor to start, a unit's records never
-cross the object store). A set that is all token ids (pre-tokenized MDS) always takes the second way: its
-read blocks hold the ids as Arrow list columns, and their check (:class:`pipelines.pretokenized.IdChecker`)
-and packing run inside the read tasks.
+actors, or inside the read tasks (:func:`read_task_stage`: no actor to start, a unit's records never
+cross the object store, and the tokenizer keeps encoding from one unit to the next). A set that is all
+token ids (pre-tokenized MDS) always takes the second way: its read blocks hold the ids as Arrow list
+columns, and their check (:class:`pipelines.pretokenized.IdChecker`) and packing run inside the read tasks.
 
 A *unit* is ``pack_buffer_size`` consecutive records of one file (see :mod:`pipelines.units`); it is
 packed on its own, so the rows are a function of the data and the config, and a resume point is
@@ -28,7 +28,8 @@ import math
 import os
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -36,7 +37,7 @@ import ray
 
 from pipelines.config import Config, DataConfig, ModelConfig, TokenizeConfig
 from pipelines.datasource import ReadOptions, ShardDatasource, read_files
-from pipelines.packing import Packer, PackOptions
+from pipelines.packing import PACKED_SCHEMA, Packer, PackOptions
 from pipelines.pretokenized import IdChecker, tokenizer_vocab_size
 from pipelines.sources import SourceTable, datasets_for_split, resolve_sources
 from pipelines.stats import StatsSink, new_stats_actor
@@ -182,6 +183,10 @@ class TokenizeAndPack:
     def __call__(self, batch: pa.Table) -> pa.Table:
         return self.packer(self.tokenizer(batch))
 
+    def stream(self, blocks: Iterable[pa.Table]) -> Iterator[pa.Table]:
+        """``map(self, blocks)``, each block packed while the next one encodes (:meth:`Tokenizer.stream`)."""
+        return map(self.packer, self.tokenizer.stream(blocks))
+
 
 class CheckAndPack:
     """The pre-tokenized stage: id-column blocks of whole units -> packed rows (no tokenizer runs)."""
@@ -194,6 +199,10 @@ class CheckAndPack:
     def __call__(self, batch: pa.Table) -> pa.Table:
         return self.packer(self.checker(batch))
 
+    def stream(self, blocks: Iterable[pa.Table]) -> Iterator[pa.Table]:
+        """``map(self, blocks)``."""
+        return map(self, blocks)
+
 
 # The stages running inside a read worker (CheckAndPack, TokenizeAndPack), one per dataset built: Ray reuses
 # read workers, and a mixed run's per-source datasets share them; the oldest go past _FUSED_KEEP.
@@ -201,16 +210,28 @@ _FUSED: OrderedDict[str, CheckAndPack | TokenizeAndPack] = OrderedDict()
 _FUSED_KEEP = 8
 
 
-def _in_read_task(batch: pa.Table, key: str, stage: type[CheckAndPack | TokenizeAndPack],
-                  kwargs: dict[str, Any]) -> pa.Table:
-    """A stage as a plain function, so Ray Data fuses it into the read tasks; built once per worker and ``key``."""
-    fused = _FUSED.get(key)
-    if fused is None:
-        fused = _FUSED[key] = stage(**kwargs)
-        while len(_FUSED) > _FUSED_KEEP:
-            _FUSED.popitem(last=False)
-    _FUSED.move_to_end(key)
-    return fused(batch)
+@dataclass(frozen=True)
+class InReadTask:
+    """A stage run inside the read tasks, on the stream of unit blocks each task reads
+    (``ShardDatasource(stage=...)``): no actor to start, and a unit's records never leave the task.
+
+    It is built once per worker process and ``key`` (one key per dataset built), and it sees the task's
+    blocks as one stream, so the tokenizer keeps encoding across units (:meth:`Tokenizer.stream`).
+    Small to pickle: configs and the file table; the tokenizer loads in the worker.
+    """
+
+    key: str
+    stage: type[CheckAndPack | TokenizeAndPack]
+    kwargs: dict[str, Any]
+
+    def __call__(self, blocks: Iterator[pa.Table]) -> Iterator[pa.Table]:
+        fused = _FUSED.get(self.key)
+        if fused is None:
+            fused = _FUSED[self.key] = self.stage(**self.kwargs)
+            while len(_FUSED) > _FUSED_KEEP:
+                _FUSED.popitem(last=False)
+        _FUSED.move_to_end(self.key)
+        return fused.stream(blocks)
 
 
 def tokenizer_placement(tok: TokenizeConfig, cpus: float | None = None) -> str:
@@ -220,7 +241,7 @@ def tokenizer_placement(tok: TokenizeConfig, cpus: float | None = None) -> str:
     Example: 2 CPUs, ``num_cpus: 1`` -> a pool of (1, 1) -> ``read_tasks``: a lone actor runs the units one
     after another as the read task would, but costs a process start and every unit's trip through the object
     store (B2, BENCHMARKS.md: first packed row 2.49 -> 2.04 s, 11% less CPU). 16 CPUs -> (1, 15) -> ``actors``:
-    15 tokenizers share the units of 8 read tasks, where fused each file group would have one.
+    15 tokenizers share the units of 8 read tasks, where in the read tasks each file group would have one.
     """
     if tok.placement != "auto":
         return tok.placement
@@ -228,10 +249,10 @@ def tokenizer_placement(tok: TokenizeConfig, cpus: float | None = None) -> str:
 
 
 def read_task_args(cfg: Config, token_ids: bool) -> dict[str, Any]:
-    """Ray remote arguments of :func:`build_dataset`'s read tasks. A stage fused into them must have the
-    same (Ray Data fuses only equal ones), so where the tokenizer runs in them they reserve what a tokenizer
-    actor would, with its environment as a ``runtime_env``: a read worker is shared with other tasks and
-    actors, which must not inherit ``USE_TORCH=0`` (:func:`tokenizer_env`), so it gets workers of its own."""
+    """Ray remote arguments of :func:`build_dataset`'s read tasks. Where the tokenizer runs in them
+    (:func:`read_task_stage`) they reserve what a tokenizer actor would, with its environment as a
+    ``runtime_env``: a read worker is shared with other tasks and actors, which must not inherit
+    ``USE_TORCH=0`` (:func:`tokenizer_env`), so it gets workers of its own."""
     tok = cfg.data.tokenize
     if token_ids or tokenizer_placement(tok) == "actors":
         return {"num_cpus": cfg.data.read_num_cpus}
@@ -256,31 +277,36 @@ def all_pretokenized(table: SourceTable, files: list[int]) -> bool:
     return bool(files) and all(has_ids(i) for i in files)
 
 
-def tokenizer_stage(ds: ray.data.Dataset, cfg: Config, table: SourceTable, sink: StatsSink,
-                    pack: PackOptions | None = None, token_ids: bool = False) -> ray.data.Dataset:
-    """``ds`` (unit blocks) through the tokenizer: tokenized records, or with ``pack`` packed rows
-    (:class:`TokenizeAndPack`), where :func:`tokenizer_placement` says (unpacked records: always actors).
+def read_task_stage(cfg: Config, table: SourceTable, sink: StatsSink, pack: PackOptions,
+                    token_ids: bool) -> InReadTask | None:
+    """The packing stage to run inside :func:`build_dataset`'s read tasks, or None where it runs in a tokenizer
+    actor pool (:func:`tokenizer_stage`; :func:`tokenizer_placement`).
 
-    Id-column blocks (``token_ids``, see :func:`all_pretokenized`) are checked and packed in the read
-    tasks instead (:class:`CheckAndPack`); ``data.tokenize`` then places nothing. A stage in the read tasks
-    takes :func:`read_task_args`, which ``ds``'s reads must have been given too."""
-    kwargs: dict[str, Any] = {"data": cfg.data, "model": cfg.model, "table": table, "sink": sink}
-    fused = {"batch_size": None, "batch_format": "pyarrow", "concurrency": read_concurrency(cfg, token_ids),
-             **read_task_args(cfg, token_ids)}
+    Id-column blocks (``token_ids``, see :func:`all_pretokenized`) are always checked and packed in the read
+    tasks (:class:`CheckAndPack`); ``data.tokenize`` then places nothing. The read tasks take
+    :func:`read_task_args`: where the tokenizer runs in them, what an actor of the pool would reserve."""
+    kwargs: dict[str, Any] = {"data": cfg.data, "model": cfg.model, "table": table, "sink": sink, "pack": pack}
     if token_ids:
-        assert pack is not None, "id-column blocks are only read to be packed"
         log.info("every source is pre-tokenized MDS: ids are checked and packed in the read tasks "
                  "(no tokenizer actors; data.tokenize is not used)")
-        kwargs.update(pack=pack, vocab_size=tokenizer_vocab_size(cfg.model))
-        return ds.map_batches(_in_read_task, fn_kwargs={"key": uuid.uuid4().hex, "stage": CheckAndPack,
-                                                        "kwargs": kwargs}, **fused)
+        return InReadTask(uuid.uuid4().hex, CheckAndPack, {**kwargs, "vocab_size": tokenizer_vocab_size(cfg.model)})
+    tok = cfg.data.tokenize
+    if tokenizer_placement(tok) != "read_tasks":
+        return None
+    threads = tokenizer_threads(tok, tokenizer_pool_size(tok)[1])  # its environment is the tasks' runtime_env
+    return InReadTask(uuid.uuid4().hex, TokenizeAndPack, {**kwargs, "threads": threads})
+
+
+def tokenizer_stage(ds: ray.data.Dataset, cfg: Config, table: SourceTable, sink: StatsSink,
+                    pack: PackOptions | None = None) -> ray.data.Dataset:
+    """``ds`` (unit blocks) through a pool of tokenizer actors: tokenized records, or with ``pack`` packed
+    rows (:class:`TokenizeAndPack`). Where the tokenizer runs in the read tasks instead, see
+    :func:`read_task_stage`."""
     tok = cfg.data.tokenize
     pool = tokenizer_pool_size(tok)
-    kwargs["threads"] = threads = tokenizer_threads(tok, pool[1])
-    if pack is not None and tokenizer_placement(tok) == "read_tasks":  # its environment is the tasks' runtime_env
-        return ds.map_batches(_in_read_task, fn_kwargs={"key": uuid.uuid4().hex, "stage": TokenizeAndPack,
-                                                        "kwargs": {**kwargs, "pack": pack}}, **fused)
-    kwargs["env"] = tokenizer_env(threads)
+    threads = tokenizer_threads(tok, pool[1])
+    kwargs: dict[str, Any] = {"data": cfg.data, "model": cfg.model, "table": table, "sink": sink,
+                              "threads": threads, "env": tokenizer_env(threads)}
     if pack is not None:
         kwargs["pack"] = pack
     return ds.map_batches(
@@ -317,14 +343,18 @@ def build_dataset(
     order = ordered_files(cfg, table, epoch, datasets)
     first, cursor, skip = _start(start)
     opts = _read_options(cfg, table, split, order)
-    source = ShardDatasource(table, order[first:], opts, sink, cursor, skip)
+    pack = _pack_options(cfg, epoch)
+    stage = read_task_stage(cfg, table, sink, pack, opts.token_ids)
+    source = ShardDatasource(table, order[first:], opts, sink, cursor, skip, stage=stage,
+                             stage_schema=None if stage is None else PACKED_SCHEMA)
     n_tasks = max(1, min(len(order) - first, cfg.data.read_tasks))
     concurrency = read_concurrency(cfg, opts.token_ids)
     if opts.token_ids and cfg.data.read_concurrency == "auto":
         n_tasks = min(n_tasks, concurrency)  # one round: each task's start costs more than its work
     ds = ray.data.read_datasource(source, override_num_blocks=n_tasks, concurrency=concurrency,
                                   **read_task_args(cfg, opts.token_ids))
-    ds = tokenizer_stage(ds, cfg, table, sink, pack=_pack_options(cfg, epoch), token_ids=opts.token_ids)
+    if stage is None:
+        ds = tokenizer_stage(ds, cfg, table, sink, pack=pack)
     ds.context.target_max_block_size = READ_BLOCK_BYTES  # units leave read tasks as they are read
     ds.context.execution_options.preserve_order = cfg.data.deterministic
     ds.pipelines_stats = sink  # type: ignore[attr-defined]  # read by data_report()
@@ -350,8 +380,7 @@ def iter_packed_local(cfg: Config, split: str = "train", sink: StatsSink | None 
     else:
         stage = TokenizeAndPack(cfg.data, cfg.model, table, sink, tokenizer_threads(cfg.data.tokenize, 1),
                                 _pack_options(cfg, epoch))
-    for block in read_files(files, opts, sink, cursor, skip):
-        yield stage(block)
+    yield from stage.stream(read_files(files, opts, sink, cursor, skip))
 
 
 def check_pretokenized(cfg: Config, table: SourceTable) -> None:

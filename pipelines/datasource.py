@@ -14,9 +14,10 @@ A stream whose files are all pre-tokenized MDS (``ReadOptions.token_ids``) has n
 blocks hold the ids themselves, ``input_ids``/``labels: list<list<int32>>`` in place of ``record``
 (:data:`TOKEN_SCHEMA`), from the shard's arrays to the packer without a Python object per token.
 
-Records stay JSON text until the tokenizer actors parse them, so a block's schema never depends on
-the data (nested chat turns, optional fields) and parsing runs in the parallel actor pool. Read tasks
-only decode bytes and split records; their closures hold file paths and options, nothing more.
+Records stay JSON text until the tokenizer stage parses them, so a block's schema never depends on
+the data (nested chat turns, optional fields). Read tasks decode bytes and split records; their closures
+hold file paths and options, and the stage that ``pipelines.dataset`` may give them to run their blocks
+through (``ShardDatasource(stage=...)``: the tokenizer and packer, where they run in the read tasks).
 
 Bad bytes are reported here (``data.on_bad_record``): non-UTF-8 lines, empty files, a JSON file
 that is not an array. Bad JSON *content* is reported by the tokenizer actors, naming file and line.
@@ -357,19 +358,33 @@ def group_files(files: list[SourceFile], parallelism: int) -> list[list[SourceFi
     return [files[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
+# A stage that runs inside the read tasks: a task's unit blocks in, in order, -> the blocks it hands on
+# (``pipelines.dataset.InReadTask``: the tokenizer and packer), with the schema they have.
+BlockStage = Callable[[Iterator[pa.Table]], Iterator[pa.Table]]
+
+
 class ShardDatasource(Datasource):
-    """Ray Data source over a :class:`SourceTable`, reading files in a seeded order."""
+    """Ray Data source over a :class:`SourceTable`, reading files in a seeded order; with ``stage``, each read
+    task runs its unit blocks through it (one stream per task) and hands on what it yields (``stage_schema``)."""
 
     def __init__(self, table: SourceTable, order: list[int], opts: ReadOptions, sink: StatsSink,
-                 start: Cursor | None = None, skip_rows: int = 0) -> None:
+                 start: Cursor | None = None, skip_rows: int = 0, stage: BlockStage | None = None,
+                 stage_schema: pa.Schema | None = None) -> None:
         super().__init__()
+        assert (stage is None) == (stage_schema is None), "a stage comes with its output schema"
         self._files = [table.files[i] for i in order]
         self._opts = opts
         self._sink = sink
         self._start, self._skip = start, skip_rows
+        self._stage, self._schema = stage, stage_schema or opts.schema
 
     def get_name(self) -> str:
         return "ReadShards"
+
+    @property
+    def stage(self) -> BlockStage | None:
+        """What each read task runs its unit blocks through (None: the blocks leave as read)."""
+        return self._stage
 
     def estimate_inmemory_data_size(self) -> int | None:
         return sum(f.size for f in self._files) or None
@@ -411,12 +426,13 @@ class ShardDatasource(Datasource):
             input_files=[f.url for f in group],
             exec_stats=None,
         )
-        opts, sink = self._opts, self._sink
+        opts, sink, stage = self._opts, self._sink, self._stage
 
         def read_fn() -> Iterator[pa.Table]:
-            return read_files(group, opts, sink, start, skip, units=units)
+            blocks = read_files(group, opts, sink, start, skip, units=units)
+            return blocks if stage is None else stage(blocks)
 
-        return ReadTask(read_fn, meta, schema=opts.schema, per_task_row_limit=per_task_row_limit)
+        return ReadTask(read_fn, meta, schema=self._schema, per_task_row_limit=per_task_row_limit)
 
 
 def read_all_records(table: SourceTable, opts: ReadOptions) -> Iterator[tuple[int, str]]:

@@ -5,8 +5,9 @@ tokenizer once. Per block it parses the JSON records, formats them (:mod:`pipeli
 encodes the texts in batch calls of the Rust tokenizer (``data.tokenize.batch_size`` texts each, on
 the stage's encode thread, while this thread formats and labels the neighbouring slices), and turns
 each format's trained character spans into labels (:mod:`pipelines.labels`), so the cost per sample
-is a few lookups, not a loop over tokens. With a byte-level BPE tokenizer (GPT-2, Llama 3, Qwen,
-SmolLM2) the batch call is ``encode_batch_fast``, which skips computing offsets, and the labels come
+is a few lookups, not a loop over tokens. Given a stream of blocks (inside a read task:
+:meth:`Tokenizer.stream`), it keeps the encode thread busy from one block to the next. With a byte-level
+BPE tokenizer (GPT-2, Llama 3, Qwen, SmolLM2) the batch call is ``encode_batch_fast``, which skips computing offsets, and the labels come
 from the tokens' byte lengths, for the whole batch at once in flat arrays (ids, labels and EOS never
 handled per sample in Python); any other tokenizer uses ``encode_batch`` and its offsets.
 
@@ -18,9 +19,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
@@ -168,39 +170,21 @@ class Tokenizer:
         """Whether texts encoded with this flag go without offsets (their labels then come from the ids)."""
         return self.byte_spans is not None and self.byte_spans.usable(add_special_tokens)
 
-    def _format_and_encode(self, sids: list[int], records: list[str], counts: Counts
-                           ) -> tuple[list[Formatted | Pretokenized | None], dict[int, Encoded]]:
-        """Every record formatted, and the formatted ones encoded (by index), ``data.tokenize.batch_size``
-        records at a time, in a pipeline: the Rust tokenizer's batch call (it releases the GIL) encodes one
-        slice on the stage's encode thread while this thread formats the next slice and then labels the one
-        before, so the per-sample Python runs beside the encoding instead of after it.
-
-        Three slices, time going down (``F`` format, ``E`` encode, ``L`` labels)::
-
-            this thread    F0  F1  L0  F2  L1      L2
-            encode thread      E0  E1      E2
-
-        Within a slice there is one call per ``add_special_tokens`` flag (the flag is per call). What a
-        sample encodes to does not depend on its call, so the rows are those of one call per batch.
-        """
-        formatted: list[Formatted | Pretokenized | None] = []
-        encoded: dict[int, Encoded] = {}
-        pending: list[tuple[bool, list[int], Future]] = []
-        step = self.data.tokenize.batch_size
-        for start in range(0, len(records), step):
-            formatted.extend(self._format(sid, rec, counts)
-                             for sid, rec in zip(sids[start : start + step], records[start : start + step], strict=True))
-            submitted = []
-            for flag in (True, False):
-                idx = [i for i in range(start, len(formatted))
-                       if isinstance(formatted[i], Formatted) and formatted[i].add_special_tokens is flag]
-                if idx:
-                    texts = [formatted[i].text for i in idx]
-                    submitted.append((flag, idx, self._encoder().submit(self._encode, texts, flag)))
-            self._label(pending, formatted, encoded)  # the slice before, while this one encodes
-            pending = submitted
-        self._label(pending, formatted, encoded)
-        return formatted, encoded
+    def _format_slice(self, blk: _Block, start: int) -> list[tuple[bool, list[int], Future]]:
+        """Format ``blk``'s records from ``start`` (one ``data.tokenize.batch_size`` slice) and submit their
+        texts to the encode thread: one call per ``add_special_tokens`` flag (the flag is per call; what a
+        sample encodes to does not depend on its call)."""
+        end = start + self.data.tokenize.batch_size
+        blk.formatted.extend(self._format(sid, rec, blk.counts)
+                             for sid, rec in zip(blk.sids[start:end], blk.records[start:end], strict=True))
+        calls = []
+        for flag in (True, False):
+            idx = [i for i in range(start, len(blk.formatted))
+                   if isinstance(blk.formatted[i], Formatted) and blk.formatted[i].add_special_tokens is flag]
+            if idx:
+                texts = [blk.formatted[i].text for i in idx]
+                calls.append((flag, idx, self._encoder().submit(self._encode, texts, flag)))
+        return calls
 
     def _encoder(self) -> ThreadPoolExecutor:
         """The stage's one encode thread (made on first use: the stage object itself is never pickled)."""
@@ -208,14 +192,15 @@ class Tokenizer:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")
         return self._pool
 
-    def _label(self, calls: list[tuple[bool, list[int], Future]], formatted: list[Any], encoded: dict[int, Encoded]) -> None:
-        """Ids and labels of a slice's encoded samples, into ``encoded`` by index."""
+    def _label(self, blk: _Block, calls: list[tuple[bool, list[int], Future]]) -> None:
+        """Ids and labels of one of ``blk``'s slices, into ``blk.encoded`` by index, once it is encoded."""
         for flag, idx, future in calls:
-            group = [formatted[i] for i in idx]
+            group = [blk.formatted[i] for i in idx]
             encs = future.result()
             done = (self._from_ids(group, encs) if self._fast(flag)
                     else [self._with_offsets(f, enc) for f, enc in zip(group, encs, strict=True)])
-            encoded.update(zip(idx, done, strict=True))
+            blk.encoded.update(zip(idx, done, strict=True))
+        blk.labelled += 1
 
     def _from_ids(self, group: list[Formatted], encs: list[Any]) -> list[Encoded]:
         """The fast path for one batch call, on flat arrays: ids, labels from the ids' byte lengths
@@ -267,14 +252,48 @@ class Tokenizer:
             labels[-1] = self.eos if f.spans else IGNORE_INDEX
         return Encoded(ids, labels, straddles, bool((labels != IGNORE_INDEX).any()))
 
-    # -- one batch --------------------------------------------------------------------------
+    # -- blocks ------------------------------------------------------------------------------
     def __call__(self, batch: pa.Table) -> pa.Table:
         """Tokenize a batch. The row count is kept: a skipped sample becomes an empty row, so the
         packing stage can check it received every record of a unit."""
-        counts = Counts()
-        batch = explode_units(batch)
-        sids = batch.column("sample_id").to_pylist()
-        formatted, encoded = self._format_and_encode(sids, batch.column("record").to_pylist(), counts)
+        (out,) = self.stream([batch])
+        return out
+
+    def stream(self, blocks: Iterable[pa.Table]) -> Iterator[pa.Table]:
+        """``map(self, blocks)``, with the encode thread kept busy across blocks: the stage's thread reads
+        the next block and formats its first slice before it labels the last slice of the one before, and
+        hands a block on (to be packed, or put in Ray's object store) while the next one encodes.
+
+        Slices in flight, time going down (block ``A`` of two slices, then ``B``; ``F`` format, ``E``
+        encode, ``L`` label, ``R`` read the next block, ``>`` hand the block on)::
+
+            this thread    FA0 FA1 LA0 R FB0 LA1 >A  FB1 LB0 ...
+            encode thread      EA0 EA1     EB0       EB1
+
+        Blocks come out in order, each once all its slices are labelled; at most two slices are sent and not
+        yet labelled, and at most one block with records is read ahead of the one handed on.
+        """
+        open_blocks: deque[_Block] = deque()
+        pending: tuple[_Block, list[tuple[bool, list[int], Future]]] | None = None
+        for batch in blocks:
+            blk = _Block.of(batch)
+            open_blocks.append(blk)
+            for start in range(0, len(blk.records), self.data.tokenize.batch_size):
+                calls = self._format_slice(blk, start)
+                blk.submitted += 1
+                if pending is not None:
+                    self._label(*pending)  # the slice before, while this one encodes
+                pending = (blk, calls)
+                while open_blocks and open_blocks[0].done:
+                    yield self._finish(open_blocks.popleft())
+        if pending is not None:
+            self._label(*pending)
+        while open_blocks:
+            yield self._finish(open_blocks.popleft())
+
+    def _finish(self, blk: _Block) -> pa.Table:
+        """A block whose slices are all labelled -> its output table; its counters go to the sink."""
+        sids, formatted, counts = blk.sids, blk.formatted, blk.counts
         live = [i for i, f in enumerate(formatted) if isinstance(f, Formatted)]
         for i in live:  # what the formatter did to a sample (e.g. tools moved into a system turn)
             for key in formatted[i].counters:
@@ -288,7 +307,7 @@ class Tokenizer:
             n_kept, n_tokens = n_kept + 1, n_tokens + len(f.ids)
             counts.add("samples_pretokenized")
         for i in live:
-            sample = encoded[i]
+            sample = blk.encoded[i]
             if sample.straddles:
                 counts.add("label_span_straddles", sample.straddles, self.table.where(sids[i]))
             if not sample.trained:
@@ -299,7 +318,32 @@ class Tokenizer:
         counts.add("samples_tokenized", n_kept)
         counts.add("tokens", n_tokens)
         self.sink.send(counts)
-        return carry_unit_columns(batch, tokenized_table(sids, all_ids, all_labels))
+        return carry_unit_columns(blk.batch, tokenized_table(sids, all_ids, all_labels))
+
+
+@dataclass
+class _Block:
+    """One block in the tokenizer stage: its records, and their formatted and encoded forms as its slices
+    come back from the encode thread."""
+
+    batch: pa.Table  # one row per record (unit columns repeated)
+    sids: list[int]
+    records: list[str]
+    counts: Counts = field(default_factory=Counts)
+    formatted: list[Formatted | Pretokenized | None] = field(default_factory=list)
+    encoded: dict[int, Encoded] = field(default_factory=dict)  # by index into records
+    submitted: int = 0  # slices formatted and sent to the encode thread
+    labelled: int = 0  # slices labelled
+
+    @classmethod
+    def of(cls, batch: pa.Table) -> _Block:
+        batch = explode_units(batch)
+        return cls(batch, batch.column("sample_id").to_pylist(), batch.column("record").to_pylist())
+
+    @property
+    def done(self) -> bool:
+        """All its records formatted, and every slice sent labelled."""
+        return len(self.formatted) == len(self.records) and self.labelled == self.submitted
 
 
 def tokenized_table(sample_ids: list[int], ids: list[np.ndarray], labels: list[np.ndarray]) -> pa.Table:

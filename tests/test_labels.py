@@ -249,3 +249,43 @@ def test_pipelined_slices_give_the_rows_and_counters_of_one_call(tmp_path, kind,
     assert counters["samples_pretokenized"] == 1 and len(examples["skipped_bad_record"]) == counters["skipped_bad_record"]
     for other in outputs[1:]:
         assert other == outputs[0]
+
+
+@pytest.mark.parametrize("size", [1, 3, 10_000])
+@pytest.mark.parametrize(("kind", "tokenizer"), [("chat_template", SMOLLM2), ("alpaca", GPT2)], ids=["chat", "alpaca"])
+def test_a_stream_of_blocks_gives_each_blocks_own_output_in_order(tmp_path, kind, tokenizer, size):
+    """``Tokenizer.stream`` (the read tasks' path) keeps encoding across blocks; it must give exactly what one
+    call per block gives: the same tables in the same order, and the same counters with their examples in
+    order. Blocks: units of 4 records (slices that run past a block's end), an empty block first, one in the
+    middle and one last. The stream reads at most one block with records ahead of the one it hands on."""
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(_mixed_records(kind)) + "\n", encoding="utf-8")
+    cfg = make_config([{"path": str(path), "type": kind}], tokenizer=tokenizer, on_bad_record="skip",
+                      sequence_len=4096, tokenize={"num_actors": 1, "num_cpus": 0.5, "batch_size": size})
+    table = resolve_sources(cfg)
+    opts = ReadOptions(table.storage, cfg.data.on_bad_record, tuple(d.text_field for d in table.datasets), unit_size=4)
+    blocks = list(read_files(list(table.files), opts, StatsSink()))
+    empty = blocks[0].slice(0, 0)
+    blocks = [empty, *blocks[:3], empty, *blocks[3:], empty]
+    assert len(blocks) == 10
+
+    one_sink, stream_sink = StatsSink(), StatsSink()
+    want = [Tokenizer(cfg.data, cfg.model, table, one_sink)(b) for b in blocks]
+    pulled, ahead = [], []
+
+    def source():
+        for b in blocks:
+            pulled.append(b)
+            yield b
+
+    got = []
+    for out in Tokenizer(cfg.data, cfg.model, table, stream_sink).stream(source()):
+        ahead.append(sum(1 for b in pulled[len(got) + 1 :] if b.num_rows))  # read, past the one handed on
+        got.append(out)
+    assert [g.to_pydict() for g in got] == [w.to_pydict() for w in want]
+    assert [w.num_rows for w in want] == [0, 4, 4, 4, 0, 4, 4, 4, 4, 0]
+    assert sum(1 for w in want for ids in w.column("input_ids").to_pylist() if ids) == 25
+    assert dict(stream_sink.local.counters) == dict(one_sink.local.counters)
+    assert stream_sink.local.examples == one_sink.local.examples
+    assert one_sink.local.counters["skipped_bad_record"] >= 2 and one_sink.local.counters["samples_pretokenized"] == 1
+    assert ahead == [1, 1, 1, 1, 1, 1, 1, 1, 0, 0]  # the next block's first slice encodes as one is handed on

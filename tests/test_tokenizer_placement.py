@@ -45,11 +45,28 @@ def _operators(ds) -> list[str]:
     return [ln.split(":")[0] for ln in ds.stats().splitlines() if ln.startswith("Operator")]
 
 
+def _read_stage(ds):
+    """The stage the dataset's read tasks run their blocks through (``ShardDatasource.stage``)."""
+    from ray.data._internal.logical.operators.read_operator import Read
+
+    op = ds._logical_plan.dag
+    while not isinstance(op, Read):
+        (op,) = op.input_dependencies
+    return op.datasource.stage
+
+
 @needs_shared
 def test_both_placements_give_the_rows_and_counts_of_the_local_path(ray_local, tmp_path):
     """Alpaca and tool-call chats (SmolLM2's chat template: the transformers tokenizer loads in the stage),
     3 files of several units each: the same rows in the same order and the same counters, either way."""
-    from pipelines.dataset import build_dataset, data_report, iter_packed_local, read_task_args, tokenizer_env
+    from pipelines.dataset import (
+        TokenizeAndPack,
+        build_dataset,
+        data_report,
+        iter_packed_local,
+        read_task_args,
+        tokenizer_env,
+    )
 
     alpaca = json.loads(ALPACA.read_text(encoding="utf-8"))
     glaive = json.loads(GLAIVE.read_text(encoding="utf-8"))
@@ -70,11 +87,13 @@ def test_both_placements_give_the_rows_and_counts_of_the_local_path(ray_local, t
         assert got[placement].num_rows > 30 and got[placement].to_pylist() == want.to_pylist(), placement
         reports[placement] = data_report(ds)["counters"]
         if placement == "read_tasks":
-            assert _operators(ds) == ["Operator 1 ReadReadShards->MapBatches(_in_read_task)"]  # fused: tasks only
+            assert _operators(ds) == ["Operator 1 ReadReadShards"]  # inside the read tasks: tasks only
+            assert _read_stage(ds).stage is TokenizeAndPack
             assert read_task_args(cfg, token_ids=False) == {
                 "num_cpus": 0.5, "resources": None, "runtime_env": {"env_vars": tokenizer_env(1)}}
         else:
             assert _operators(ds) == ["Operator 1 ReadReadShards", "Operator 2 MapBatches(TokenizeAndPack)"]
+            assert _read_stage(ds) is None
             assert read_task_args(cfg, token_ids=False) == {"num_cpus": cfg.data.read_num_cpus}
     assert reports["read_tasks"] == reports["actors"]
     assert reports["actors"]["samples_tokenized"] == 750 and reports["actors"]["tokens"] > 100_000

@@ -64,10 +64,11 @@ def test_read_operator_emits_one_block_per_unit_and_rows_match_local(ray_local, 
     assert m, stats[:2000]
     fused, tasks, blocks = m.group(1), int(m.group(2)), int(m.group(3))
     # read_tasks 1, plus the first unit's own task; blocks: the small first unit, 2 x 2,000 records, the rest
+    assert fused == "" and tasks == 2, stats[:2000]
     if placement == "actors":
-        assert fused == "" and tasks == 2 and blocks == 4, stats[:2000]
+        assert blocks == 4 and "MapBatches(TokenizeAndPack)" in stats, stats[:2000]
     else:  # the tokenizer in the read tasks: a unit's packed rows (4 MB blocks) leave as it is packed
-        assert fused == "->MapBatches(_in_read_task)" and tasks == 2 and blocks >= 4, stats[:2000]
+        assert blocks >= 4 and "MapBatches" not in stats, stats[:2000]
     local = [r for t in iter_packed_local(cfg) for r in t.to_pylist()]
     assert len(rows) == len(local) > 100
     assert [r["sample_ids"] for r in rows] == [r["sample_ids"] for r in local]
