@@ -259,7 +259,8 @@ def sys_stage(p: dict[str, Any]) -> dict[str, Any]:
     tokenizer's batch calls run on the stage's encode thread beside it. ``encode_s`` is the wall time of
     those calls; ``python_s`` the driving thread's CPU time in the stage's Python per sample (JSON parse,
     prompt formatting, labels, the output table); ``pack_s`` its CPU time packing; ``other_s`` the rest of
-    its CPU time (reading and splitting files, Ray-free glue). Threads: ``data.tokenize.threads`` =
+    its CPU time (reading and splitting files, turning unit rows into records, and the second tokenizer load
+    inside ``iter_packed_local``). Threads: ``data.tokenize.threads`` =
     RAYON_NUM_THREADS (set by the parent).
     """
     import pipelines.dataset as pd
