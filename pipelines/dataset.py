@@ -210,7 +210,7 @@ _FUSED: OrderedDict[str, CheckAndPack | TokenizeAndPack] = OrderedDict()
 _FUSED_KEEP = 8
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity (its kwargs are a dict)
 class InReadTask:
     """A stage run inside the read tasks, on the stream of unit blocks each task reads
     (``ShardDatasource(stage=...)``): no actor to start, and a unit's records never leave the task.

@@ -69,7 +69,8 @@ class Pretokenized:
 
 
 class Tokenizer:
-    """Callable for ``map_batches`` (an actor's, or inside the read tasks): records -> token ids and labels.
+    """Records -> token ids and labels: called per block by an actor pool's ``map_batches``; inside the read
+    tasks, :meth:`stream` takes each task's blocks as one stream.
 
     Records that already hold ``input_ids`` (pre-tokenized MDS such as llm-foundry's concat-tokens
     layout or ``ray_jobs/convert.py --tokenize`` output) skip formatting and tokenization.
