@@ -205,9 +205,9 @@ class CheckAndPack:
 
 
 # The stages running inside a read worker (CheckAndPack, TokenizeAndPack), one per dataset built: Ray reuses
-# read workers, and a mixed run's per-source datasets share them; the oldest go past _FUSED_KEEP.
-_FUSED: OrderedDict[str, CheckAndPack | TokenizeAndPack] = OrderedDict()
-_FUSED_KEEP = 8
+# read workers, and a mixed run's per-source datasets share them; the oldest go past _IN_WORKER_KEEP.
+_IN_WORKER: OrderedDict[str, CheckAndPack | TokenizeAndPack] = OrderedDict()
+_IN_WORKER_KEEP = 8
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity (its kwargs are a dict)
@@ -225,13 +225,13 @@ class InReadTask:
     kwargs: dict[str, Any]
 
     def __call__(self, blocks: Iterator[pa.Table]) -> Iterator[pa.Table]:
-        fused = _FUSED.get(self.key)
-        if fused is None:
-            fused = _FUSED[self.key] = self.stage(**self.kwargs)
-            while len(_FUSED) > _FUSED_KEEP:
-                _FUSED.popitem(last=False)
-        _FUSED.move_to_end(self.key)
-        return fused.stream(blocks)
+        stage = _IN_WORKER.get(self.key)
+        if stage is None:
+            stage = _IN_WORKER[self.key] = self.stage(**self.kwargs)
+            while len(_IN_WORKER) > _IN_WORKER_KEEP:
+                _IN_WORKER.popitem(last=False)
+        _IN_WORKER.move_to_end(self.key)
+        return stage.stream(blocks)
 
 
 def tokenizer_placement(tok: TokenizeConfig, cpus: float | None = None) -> str:

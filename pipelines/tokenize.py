@@ -7,9 +7,10 @@ the stage's encode thread, while this thread formats and labels the neighbouring
 each format's trained character spans into labels (:mod:`pipelines.labels`), so the cost per sample
 is a few lookups, not a loop over tokens. Given a stream of blocks (inside a read task:
 :meth:`Tokenizer.stream`), it keeps the encode thread busy from one block to the next. With a byte-level
-BPE tokenizer (GPT-2, Llama 3, Qwen, SmolLM2) the batch call is ``encode_batch_fast``, which skips computing offsets, and the labels come
-from the tokens' byte lengths, for the whole batch at once in flat arrays (ids, labels and EOS never
-handled per sample in Python); any other tokenizer uses ``encode_batch`` and its offsets.
+BPE tokenizer (GPT-2, Llama 3, Qwen, SmolLM2) the batch call is ``encode_batch_fast``, which skips
+computing offsets, and the labels come from the tokens' byte lengths, for the whole batch at once in
+flat arrays (ids, labels and EOS never handled per sample in Python); any other tokenizer uses
+``encode_batch`` and its offsets.
 
 Worked example (completion, GPT-2): ``"Hello world"`` -> ids ``[15496, 995, 50256]`` (EOS
 appended), labels ``[15496, 995, 50256]``. Labels are not shifted; the model shifts them.
