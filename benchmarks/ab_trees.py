@@ -70,15 +70,16 @@ def main() -> None:
                 r = run_once(tree, name, params, env)
                 results[tag][name].append(r)
                 print(rep, tag, name, json.dumps(r), flush=True)
-    print("| system | code | steady tok/s (median) | end-to-end tok/s | encode s | Python CPU s | CPU s / M tok |")
-    print("|---|---|---|---|---|---|---|")
+    print("| system | code | steady tok/s (median) | end-to-end tok/s | first row s | encode s | Python CPU s "
+          "| CPU s / M tok |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in chosen:
         for tag in trees:
             rs = [r for r in results[tag][name] if not r.get("error")]
             def med(key: str, rs: list[dict] = rs) -> str:
                 vals = [r[key] for r in rs if r.get(key) is not None]
                 return f"{statistics.median(vals):.3g}" if vals else "-"
-            print(f"| {name} | {tag} | {med('steady_tok_s')} | {med('e2e_tok_s')} | {med('encode_s')} | "
+            print(f"| {name} | {tag} | {med('steady_tok_s')} | {med('e2e_tok_s')} | {med('ttfb_s')} | {med('encode_s')} | "
                   f"{med('python_s')} | {med('cpu_s_per_mtok')} |")
 
 

@@ -29,7 +29,7 @@ import os
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -41,7 +41,8 @@ from pipelines.packing import PACKED_SCHEMA, Packer, PackOptions
 from pipelines.pretokenized import IdChecker, tokenizer_vocab_size
 from pipelines.sources import SourceTable, datasets_for_split, resolve_sources
 from pipelines.stats import StatsSink, new_stats_actor
-from pipelines.tokenize import Tokenizer
+from pipelines.tokenize import HF_FORMATS, Tokenizer
+from pipelines.tokenizer import loads_without_transformers
 from pipelines.units import READ_BLOCK_BYTES, Cursor, ResumePoint
 from pipelines.units import ordered_files as _ordered_files
 
@@ -129,18 +130,24 @@ def read_concurrency(cfg: Config, token_ids: bool, cpus: float | None = None) ->
     return tokenizer_pool_size(d.tokenize, cpus)[1]
 
 
+def rust_thread_env(threads: int) -> dict[str, str]:
+    """The Rust tokenizer's thread settings: ``RAYON_NUM_THREADS`` (read once, when the process's thread pool
+    is built at its first parallel encode) and ``TOKENIZERS_PARALLELISM``."""
+    return {"RAYON_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "true" if threads > 1 else "false"}
+
+
 def tokenizer_env(threads: int) -> dict[str, str]:
-    """Environment of the tokenizer actors: bounded Rust threads, and transformers without torch
-    (``USE_TORCH=0``: importing torch costs seconds and ~1 GB per actor, and tokenizing never needs it).
+    """Environment of the tokenizer actors: bounded Rust threads (:func:`rust_thread_env`), and transformers
+    without torch (``USE_TORCH=0``: importing torch costs seconds and ~1 GB per actor, and tokenizing never
+    needs it).
 
     The actors set it in their constructor (``Tokenizer(env=...)``), before anything loads, rather than
     through a ``runtime_env``: an actor with an environment of its own needs a new worker process, started
     through Ray's runtime-env agent, while one without can take an idle worker that is already up. On the
     B2 data (2 CPUs) the first packed row came a little sooner: median 3.68 s against 3.82 s after the
-    build (``benchmarks/ray_floors.py``, BENCHMARKS.md).
+    build (``benchmarks/ray_floors.py``, BENCHMARKS.md). For the read tasks see :func:`read_task_stage`.
     """
-    return {"RAYON_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "true" if threads > 1 else "false",
-            "USE_TORCH": "0"}
+    return {**rust_thread_env(threads), "USE_TORCH": "0"}
 
 
 def _read_options(cfg: Config, table: SourceTable, split: str, order: list[int]) -> ReadOptions:
@@ -218,20 +225,36 @@ class InReadTask:
     It is built once per worker process and ``key`` (one key per dataset built), and it sees the task's
     blocks as one stream, so the tokenizer keeps encoding across units (:meth:`Tokenizer.stream`).
     Small to pickle: configs and the file table; the tokenizer loads in the worker.
+
+    ``env`` is the stage's environment. ``isolated``: the read tasks get it as their ``runtime_env``
+    (:func:`read_task_args`), so they run in workers of their own. Otherwise it is set in the worker's process
+    for each stream and restored when the stream ends, so the worker Ray hands on afterwards has the
+    environment it had (see :func:`read_task_stage`).
     """
 
     key: str
     stage: type[CheckAndPack | TokenizeAndPack]
     kwargs: dict[str, Any]
+    env: Mapping[str, str] = field(default_factory=dict)
+    isolated: bool = False
 
     def __call__(self, blocks: Iterator[pa.Table]) -> Iterator[pa.Table]:
-        stage = _IN_WORKER.get(self.key)
-        if stage is None:
-            stage = _IN_WORKER[self.key] = self.stage(**self.kwargs)
-            while len(_IN_WORKER) > _IN_WORKER_KEEP:
-                _IN_WORKER.popitem(last=False)
-        _IN_WORKER.move_to_end(self.key)
-        return stage.stream(blocks)
+        saved = {} if self.isolated else {k: os.environ.get(k) for k in self.env}
+        os.environ.update({k: self.env[k] for k in saved})
+        try:
+            stage = _IN_WORKER.get(self.key)
+            if stage is None:
+                stage = _IN_WORKER[self.key] = self.stage(**self.kwargs)
+                while len(_IN_WORKER) > _IN_WORKER_KEEP:
+                    _IN_WORKER.popitem(last=False)
+            _IN_WORKER.move_to_end(self.key)
+            yield from stage.stream(blocks)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def tokenizer_placement(tok: TokenizeConfig, cpus: float | None = None) -> str:
@@ -248,17 +271,17 @@ def tokenizer_placement(tok: TokenizeConfig, cpus: float | None = None) -> str:
     return "read_tasks" if tokenizer_pool_size(tok, cpus)[1] == 1 and not tok.resources else "actors"
 
 
-def read_task_args(cfg: Config, token_ids: bool) -> dict[str, Any]:
-    """Ray remote arguments of :func:`build_dataset`'s read tasks. Where the tokenizer runs in them
-    (:func:`read_task_stage`) they reserve what a tokenizer actor would, with its environment as a
-    ``runtime_env``: a read worker is shared with other tasks and actors, which must not inherit
-    ``USE_TORCH=0`` (:func:`tokenizer_env`), so it gets workers of its own."""
-    tok = cfg.data.tokenize
-    if token_ids or tokenizer_placement(tok) == "actors":
+def read_task_args(cfg: Config, stage: InReadTask | None) -> dict[str, Any]:
+    """Ray remote arguments of :func:`build_dataset`'s read tasks, given their :func:`read_task_stage`. Where
+    the tokenizer runs in them they reserve what a tokenizer actor would, and an ``isolated`` stage's
+    environment is their ``runtime_env``."""
+    if stage is None or stage.stage is CheckAndPack:
         return {"num_cpus": cfg.data.read_num_cpus}
-    threads = tokenizer_threads(tok, tokenizer_pool_size(tok)[1])
-    return {"num_cpus": tok.num_cpus, "resources": dict(tok.resources) or None,
-            "runtime_env": {"env_vars": tokenizer_env(threads)}}
+    tok = cfg.data.tokenize
+    args: dict[str, Any] = {"num_cpus": tok.num_cpus, "resources": dict(tok.resources) or None}
+    if stage.isolated:
+        args["runtime_env"] = {"env_vars": dict(stage.env)}
+    return args
 
 
 def all_pretokenized(table: SourceTable, files: list[int]) -> bool:
@@ -277,6 +300,12 @@ def all_pretokenized(table: SourceTable, files: list[int]) -> bool:
     return bool(files) and all(has_ids(i) for i in files)
 
 
+def stage_imports_transformers(cfg: Config, table: SourceTable) -> bool:
+    """Whether the tokenizer stage loads the transformers tokenizer: a chat template, or a tokenizer that
+    ``tokenizers`` alone does not load exactly (:func:`pipelines.tokenizer.loads_without_transformers`)."""
+    return any(ds.type in HF_FORMATS for ds in table.datasets) or not loads_without_transformers(cfg.model)
+
+
 def read_task_stage(cfg: Config, table: SourceTable, sink: StatsSink, pack: PackOptions,
                     token_ids: bool) -> InReadTask | None:
     """The packing stage to run inside :func:`build_dataset`'s read tasks, or None where it runs in a tokenizer
@@ -284,7 +313,20 @@ def read_task_stage(cfg: Config, table: SourceTable, sink: StatsSink, pack: Pack
 
     Id-column blocks (``token_ids``, see :func:`all_pretokenized`) are always checked and packed in the read
     tasks (:class:`CheckAndPack`); ``data.tokenize`` then places nothing. The read tasks take
-    :func:`read_task_args`: where the tokenizer runs in them, what an actor of the pool would reserve."""
+    :func:`read_task_args`: where the tokenizer runs in them, what an actor of the pool would reserve.
+
+    The tokenizer's environment, where it runs in the read tasks:
+
+    - It loads the transformers tokenizer (:func:`stage_imports_transformers`): :func:`tokenizer_env`, as the
+      tasks' ``runtime_env`` (``isolated``). ``USE_TORCH=0`` must be set before transformers is imported and
+      holds for the process from then on, so the tasks take workers of their own: a shared worker with it
+      could later become a train worker that cannot see torch.
+    - It loads ``tokenizers`` alone (Alpaca or completion text with a plain tokenizer.json): only the Rust
+      threads (:func:`rust_thread_env`), set in the shared worker's process for each stream and restored
+      after it. Ray can then hand the tasks idle workers that are already up, rather than start workers
+      through its runtime-env agent. The Rust thread pool is the process's: it is built, with that size, at
+      the first parallel encode and stays.
+    """
     kwargs: dict[str, Any] = {"data": cfg.data, "model": cfg.model, "table": table, "sink": sink, "pack": pack}
     if token_ids:
         log.info("every source is pre-tokenized MDS: ids are checked and packed in the read tasks "
@@ -293,8 +335,11 @@ def read_task_stage(cfg: Config, table: SourceTable, sink: StatsSink, pack: Pack
     tok = cfg.data.tokenize
     if tokenizer_placement(tok) != "read_tasks":
         return None
-    threads = tokenizer_threads(tok, tokenizer_pool_size(tok)[1])  # its environment is the tasks' runtime_env
-    return InReadTask(uuid.uuid4().hex, TokenizeAndPack, {**kwargs, "threads": threads})
+    threads = tokenizer_threads(tok, tokenizer_pool_size(tok)[1])
+    kwargs["threads"] = threads
+    if stage_imports_transformers(cfg, table):
+        return InReadTask(uuid.uuid4().hex, TokenizeAndPack, kwargs, tokenizer_env(threads), isolated=True)
+    return InReadTask(uuid.uuid4().hex, TokenizeAndPack, kwargs, rust_thread_env(threads))
 
 
 def tokenizer_stage(ds: ray.data.Dataset, cfg: Config, table: SourceTable, sink: StatsSink,
@@ -352,7 +397,7 @@ def build_dataset(
     if opts.token_ids and cfg.data.read_concurrency == "auto":
         n_tasks = min(n_tasks, concurrency)  # one round: each task's start costs more than its work
     ds = ray.data.read_datasource(source, override_num_blocks=n_tasks, concurrency=concurrency,
-                                  **read_task_args(cfg, opts.token_ids))
+                                  **read_task_args(cfg, stage))
     if stage is None:
         ds = tokenizer_stage(ds, cfg, table, sink, pack=pack)
     ds.context.target_max_block_size = READ_BLOCK_BYTES  # units leave read tasks as they are read

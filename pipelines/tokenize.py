@@ -78,8 +78,8 @@ class Tokenizer:
 
     Constructor arguments are small: configs, the file table (for error locations) and the stats sink;
     ``env`` (the actors': :func:`pipelines.dataset.tokenizer_env`) is set in the process before anything
-    loads, replacing what it inherited. Without it (in the read tasks, whose ``runtime_env`` sets it), the
-    thread settings are only defaults.
+    loads, replacing what it inherited. Without it (in the read tasks: their ``runtime_env`` or
+    :class:`pipelines.dataset.InReadTask` sets it), the thread settings are only defaults.
     """
 
     def __init__(self, data: DataConfig, model: ModelConfig, table: SourceTable, sink: StatsSink, threads: int = 1,

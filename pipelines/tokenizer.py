@@ -20,7 +20,7 @@ from pipelines.config import ModelConfig
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["IGNORE_INDEX", "Backend", "load_backend", "load_tokenizer", "resolve_tokenizer_path", "tokenizer_fingerprint", "tokenizer_sha256"]
+__all__ = ["IGNORE_INDEX", "Backend", "load_backend", "load_tokenizer", "loads_without_transformers", "resolve_tokenizer_path", "tokenizer_fingerprint", "tokenizer_sha256"]
 
 # Label of a token that takes no loss (PyTorch's cross-entropy ``ignore_index`` default).
 IGNORE_INDEX = -100
@@ -86,10 +86,10 @@ def _token_content(value: Any) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
-def _direct_backend(model: ModelConfig) -> Backend | None:
-    """The tokenizer through ``tokenizers`` alone (no transformers import: ~0.7 s less per process), or
-    None when only transformers loads it exactly (no local tokenizer.json, remote code, or a config key
-    that transformers applies to the Rust tokenizer, see :data:`BACKEND_REWRITING_KEYS`)."""
+def _direct_files(model: ModelConfig) -> tuple[Path, dict[str, Any]] | None:
+    """``tokenizer.json`` and the merged token config where ``tokenizers`` alone loads the tokenizer exactly,
+    else None (no local tokenizer.json, remote code, or a config key that transformers applies to the Rust
+    tokenizer, see :data:`BACKEND_REWRITING_KEYS`). Reads the small JSON configs only."""
     if model.trust_remote_code:
         return None
     root = Path(resolve_tokenizer_path(model))
@@ -101,9 +101,26 @@ def _direct_backend(model: ModelConfig) -> Backend | None:
             config.update(json.loads((root / name).read_text(encoding="utf-8")))
     if any(config.get(k) for k in BACKEND_REWRITING_KEYS):
         return None
+    return root / "tokenizer.json", config
+
+
+def loads_without_transformers(model: ModelConfig) -> bool:
+    """Whether :func:`load_backend` (with no transformers tokenizer at hand) loads through ``tokenizers``
+    alone, checked from the tokenizer's files without loading it. Its one other fallback, an EOS token
+    missing from the vocabulary, is found only by loading."""
+    return _direct_files(model) is not None
+
+
+def _direct_backend(model: ModelConfig) -> Backend | None:
+    """The tokenizer through ``tokenizers`` alone (no transformers import: ~0.7 s less per process), or
+    None when only transformers loads it exactly (:func:`_direct_files`, or an EOS token it cannot find)."""
+    files = _direct_files(model)
+    if files is None:
+        return None
+    path, config = files
     from tokenizers import Tokenizer as RustTokenizer
 
-    tok = RustTokenizer.from_file(str(root / "tokenizer.json"))
+    tok = RustTokenizer.from_file(str(path))
     tok.no_truncation()
     tok.no_padding()
     eos = _token_content(config.get("eos_token"))

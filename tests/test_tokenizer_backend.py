@@ -100,7 +100,7 @@ print(os.environ["RAYON_NUM_THREADS"], os.environ["TOKENIZERS_PARALLELISM"], os.
 def test_tokenizer_pool_has_no_runtime_env(ray_local, tmp_path):
     """No ``runtime_env`` on the tokenizer pool (a worker with an environment of its own cannot be an idle,
     already started one; see ``tokenizer_env``); the environment travels in the constructor's arguments.
-    (Inside the read tasks it is their ``runtime_env``: tests/test_tokenizer_placement.py.)"""
+    (Inside the read tasks: tests/test_tokenizer_placement.py.)"""
     from ray.data._internal.logical.operators.map_operator import MapBatches
 
     from pipelines.dataset import build_dataset, tokenizer_env
