@@ -325,7 +325,8 @@ def read_task_stage(cfg: Config, table: SourceTable, sink: StatsSink, pack: Pack
       threads (:func:`rust_thread_env`), set in the shared worker's process for each stream and restored
       after it. Ray can then hand the tasks idle workers that are already up, rather than start workers
       through its runtime-env agent. The Rust thread pool is the process's: it is built, with that size, at
-      the first parallel encode and stays.
+      the first parallel encode and stays. (A tokenizer whose EOS token proves missing from its vocabulary
+      when loaded still falls back to transformers there, with torch visible: slower to start, same tokens.)
     """
     kwargs: dict[str, Any] = {"data": cfg.data, "model": cfg.model, "table": table, "sink": sink, "pack": pack}
     if token_ids:
