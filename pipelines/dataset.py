@@ -41,8 +41,7 @@ from pipelines.packing import PACKED_SCHEMA, Packer, PackOptions
 from pipelines.pretokenized import IdChecker, tokenizer_vocab_size
 from pipelines.sources import SourceTable, datasets_for_split, resolve_sources
 from pipelines.stats import StatsSink, new_stats_actor
-from pipelines.tokenize import HF_FORMATS, Tokenizer
-from pipelines.tokenizer import loads_without_transformers
+from pipelines.tokenize import Tokenizer, imports_transformers, rust_thread_env
 from pipelines.units import READ_BLOCK_BYTES, Cursor, ResumePoint
 from pipelines.units import ordered_files as _ordered_files
 
@@ -130,16 +129,10 @@ def read_concurrency(cfg: Config, token_ids: bool, cpus: float | None = None) ->
     return tokenizer_pool_size(d.tokenize, cpus)[1]
 
 
-def rust_thread_env(threads: int) -> dict[str, str]:
-    """The Rust tokenizer's thread settings: ``RAYON_NUM_THREADS`` (read once, when the process's thread pool
-    is built at its first parallel encode) and ``TOKENIZERS_PARALLELISM``."""
-    return {"RAYON_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "true" if threads > 1 else "false"}
-
-
 def tokenizer_env(threads: int) -> dict[str, str]:
-    """Environment of the tokenizer actors: bounded Rust threads (:func:`rust_thread_env`), and transformers
-    without torch (``USE_TORCH=0``: importing torch costs seconds and ~1 GB per actor, and tokenizing never
-    needs it).
+    """Environment of the tokenizer actors: bounded Rust threads (:func:`pipelines.tokenize.rust_thread_env`),
+    and transformers without torch (``USE_TORCH=0``: importing torch costs seconds and ~1 GB per actor, and
+    tokenizing never needs it).
 
     The actors set it in their constructor (``Tokenizer(env=...)``), before anything loads, rather than
     through a ``runtime_env``: an actor with an environment of its own needs a new worker process, started
@@ -239,8 +232,9 @@ class InReadTask:
     isolated: bool = False
 
     def __call__(self, blocks: Iterator[pa.Table]) -> Iterator[pa.Table]:
-        saved = {} if self.isolated else {k: os.environ.get(k) for k in self.env}
-        os.environ.update({k: self.env[k] for k in saved})
+        local = {} if self.isolated else dict(self.env)
+        saved = {k: os.environ.get(k) for k in local}
+        os.environ.update(local)
         try:
             stage = _IN_WORKER.get(self.key)
             if stage is None:
@@ -300,12 +294,6 @@ def all_pretokenized(table: SourceTable, files: list[int]) -> bool:
     return bool(files) and all(has_ids(i) for i in files)
 
 
-def stage_imports_transformers(cfg: Config, table: SourceTable) -> bool:
-    """Whether the tokenizer stage loads the transformers tokenizer: a chat template, or a tokenizer that
-    ``tokenizers`` alone does not load exactly (:func:`pipelines.tokenizer.loads_without_transformers`)."""
-    return any(ds.type in HF_FORMATS for ds in table.datasets) or not loads_without_transformers(cfg.model)
-
-
 def read_task_stage(cfg: Config, table: SourceTable, sink: StatsSink, pack: PackOptions,
                     token_ids: bool) -> InReadTask | None:
     """The packing stage to run inside :func:`build_dataset`'s read tasks, or None where it runs in a tokenizer
@@ -317,16 +305,17 @@ def read_task_stage(cfg: Config, table: SourceTable, sink: StatsSink, pack: Pack
 
     The tokenizer's environment, where it runs in the read tasks:
 
-    - It loads the transformers tokenizer (:func:`stage_imports_transformers`): :func:`tokenizer_env`, as the
-      tasks' ``runtime_env`` (``isolated``). ``USE_TORCH=0`` must be set before transformers is imported and
-      holds for the process from then on, so the tasks take workers of their own: a shared worker with it
-      could later become a train worker that cannot see torch.
+    - It loads the transformers tokenizer (:func:`pipelines.tokenize.imports_transformers`):
+      :func:`tokenizer_env`, as the tasks' ``runtime_env`` (``isolated``). ``USE_TORCH=0`` must be set before
+      transformers is imported and holds for the process from then on, so the tasks take workers of their
+      own: a shared worker with it could later become a train worker that cannot see torch.
     - It loads ``tokenizers`` alone (Alpaca or completion text with a plain tokenizer.json): only the Rust
-      threads (:func:`rust_thread_env`), set in the shared worker's process for each stream and restored
-      after it. Ray can then hand the tasks idle workers that are already up, rather than start workers
-      through its runtime-env agent. The Rust thread pool is the process's: it is built, with that size, at
-      the first parallel encode and stays. (A tokenizer whose EOS token proves missing from its vocabulary
-      when loaded still falls back to transformers there, with torch visible: slower to start, same tokens.)
+      threads (:func:`pipelines.tokenize.rust_thread_env`), set in the shared worker's process for each
+      stream and restored after it. Ray can then hand the tasks idle workers that are already up, rather
+      than start workers through its runtime-env agent. The Rust thread pool is the process's: it is built,
+      with that size, at the first parallel encode and stays. (A tokenizer whose EOS token proves missing
+      from its vocabulary when loaded still falls back to transformers there, with torch visible: slower to
+      start, same tokens.)
     """
     kwargs: dict[str, Any] = {"data": cfg.data, "model": cfg.model, "table": table, "sink": sink, "pack": pack}
     if token_ids:
@@ -338,7 +327,7 @@ def read_task_stage(cfg: Config, table: SourceTable, sink: StatsSink, pack: Pack
         return None
     threads = tokenizer_threads(tok, tokenizer_pool_size(tok)[1])
     kwargs["threads"] = threads
-    if stage_imports_transformers(cfg, table):
+    if imports_transformers(cfg.model, table):
         return InReadTask(uuid.uuid4().hex, TokenizeAndPack, kwargs, tokenizer_env(threads), isolated=True)
     return InReadTask(uuid.uuid4().hex, TokenizeAndPack, kwargs, rust_thread_env(threads))
 

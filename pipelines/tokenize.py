@@ -39,13 +39,32 @@ from pipelines.pretokenized import id_problems
 from pipelines.records import unpack_array
 from pipelines.sources import SourceTable, split_sample_id
 from pipelines.stats import Counts, StatsSink
-from pipelines.tokenizer import IGNORE_INDEX, load_backend, load_tokenizer
+from pipelines.tokenizer import IGNORE_INDEX, load_backend, load_tokenizer, loads_without_transformers
 from pipelines.units import carry_unit_columns, explode_units
 
 # Dataset types whose formatter needs the transformers tokenizer (its chat template).
 HF_FORMATS = ("chat_template",)
 
-__all__ = ["IGNORE_INDEX", "TOKENIZED_SCHEMA", "Tokenizer", "tokenized_table"]
+__all__ = ["IGNORE_INDEX", "TOKENIZED_SCHEMA", "Tokenizer", "imports_transformers", "rust_thread_env", "tokenized_table"]
+
+
+def rust_thread_env(threads: int) -> dict[str, str]:
+    """The Rust tokenizer's thread settings: ``RAYON_NUM_THREADS`` (read once, when the process's thread pool
+    is built at its first parallel encode) and ``TOKENIZERS_PARALLELISM``."""
+    return {"RAYON_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "true" if threads > 1 else "false"}
+
+
+def _needs_hf(table: SourceTable) -> bool:
+    return any(ds.type in HF_FORMATS for ds in table.datasets)
+
+
+def imports_transformers(model: ModelConfig, table: SourceTable) -> bool:
+    """Whether a :class:`Tokenizer` for ``table`` loads the transformers tokenizer, told without loading
+    anything: a chat template, or a tokenizer that ``tokenizers`` alone does not load exactly
+    (:func:`pipelines.tokenizer.loads_without_transformers`)."""
+    return _needs_hf(table) or not loads_without_transformers(model)
+
+
 TOKENIZED_SCHEMA = pa.schema(
     [("sample_id", pa.int64()), ("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))]
 )
@@ -86,13 +105,13 @@ class Tokenizer:
                  env: Mapping[str, str] | None = None):
         if env is not None:  # an actor's own process (see pipelines.dataset.tokenizer_stage): set, before any load
             os.environ.update(env)
-        os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "true" if threads > 1 else "false")
+        for key, value in rust_thread_env(threads).items():
+            os.environ.setdefault(key, value)
         self.data, self.model, self.table, self.sink = data, model, table, sink
         self._pool: ThreadPoolExecutor | None = None  # the encode thread (_encoder)
         # Chat templates need the transformers tokenizer; other formats only the Rust one, which loads
         # without importing transformers when that gives the same encoding (pipelines.tokenizer).
-        self._hf = load_tokenizer(model) if any(ds.type in HF_FORMATS for ds in table.datasets) else None
+        self._hf = load_tokenizer(model) if _needs_hf(table) else None
         backend = load_backend(model, self._hf)
         self.backend, self.eos, self.vocab_size = backend.tokenizer, backend.eos_token_id, backend.vocab_size
         self.byte_spans = ByteSpans.for_tokenizer(self.backend)  # None: labels need the encoding's offsets

@@ -138,13 +138,8 @@ def test_a_tokenizer_without_transformers_runs_in_shared_read_workers(ray_local,
     environment as it was. 3 threads: a value no earlier test sets, so a leak would be visible."""
     import ray
 
-    from pipelines.dataset import (
-        TokenizeAndPack,
-        build_dataset,
-        iter_packed_local,
-        read_task_args,
-        rust_thread_env,
-    )
+    from pipelines.dataset import TokenizeAndPack, build_dataset, iter_packed_local, read_task_args
+    from pipelines.tokenize import rust_thread_env
 
     @ray.remote(num_cpus=0.5)
     def probe() -> tuple[str | None, str | None]:
