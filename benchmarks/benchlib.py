@@ -117,6 +117,15 @@ def data_bytes(data_dir: Path) -> int:
     return sum(os.path.getsize(p) for p in jsonl_files(data_dir))
 
 
+def use_checkout(root: Path) -> Path:
+    """Run this process, and the Ray workers it starts, on ``root``'s ``pipelines`` (to compare two checkouts on
+    one host): Ray's local workers import from the driver's working directory. Resolve relative paths first."""
+    root = root.resolve()
+    os.chdir(root)
+    sys.path[:0] = [str(root), str(Path(__file__).resolve().parent)]
+    return root
+
+
 def iter_ray_blocks(ds: Any) -> Any:
     """A Ray dataset's blocks as pyarrow tables, each as soon as it is ready (as the feeder reads them).
 

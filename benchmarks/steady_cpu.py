@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from benchlib import use_checkout
 
 HERE = Path(__file__).resolve().parent
 
@@ -84,9 +84,8 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=HERE / ".work" / "data" / "alpaca_19980")
     ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args()
-    root, data = args.root.resolve(), args.data.resolve()
-    os.chdir(root)  # Ray's local workers import from the driver's directory
-    sys.path[:0] = [str(root), str(HERE)]
+    data = args.data.resolve()
+    root = use_checkout(args.root)
     results = []
     for _ in range(args.repeats):
         r = one_pass(data)

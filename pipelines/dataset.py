@@ -40,7 +40,7 @@ from pipelines.datasource import ReadOptions, ShardDatasource, read_files
 from pipelines.packing import PACKED_SCHEMA, Packer, PackOptions
 from pipelines.pretokenized import IdChecker, tokenizer_vocab_size
 from pipelines.sources import SourceTable, datasets_for_split, resolve_sources
-from pipelines.stats import StatsSink, new_stats_actor
+from pipelines.stats import StatsSink, stats_sink
 from pipelines.tokenize import Tokenizer, imports_transformers, rust_thread_env
 from pipelines.units import READ_BLOCK_BYTES, Cursor, ResumePoint
 from pipelines.units import ordered_files as _ordered_files
@@ -374,7 +374,7 @@ def build_dataset(
     datasets_for_split(cfg, split)  # a clear error for a split with no sources, before listing
     table = resolve_sources(cfg, split)
     check_pretokenized(cfg, table)
-    sink = StatsSink(new_stats_actor())
+    sink = stats_sink()
     order = ordered_files(cfg, table, epoch, datasets)
     first, cursor, skip = _start(start)
     opts = _read_options(cfg, table, split, order)
@@ -431,5 +431,5 @@ def data_report(ds: ray.data.Dataset) -> dict[str, Any]:
     sink: StatsSink | None = getattr(ds, "pipelines_stats", None)
     if sink is None or sink.actor is None:
         raise ValueError("this dataset was not made by pipelines.build_dataset (no counters attached)")
-    return ray.get(sink.actor.snapshot.remote())
+    return sink.snapshot()
 

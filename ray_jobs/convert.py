@@ -201,7 +201,7 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
     from pipelines.dataset import read_concurrency, tokenizer_stage
     from pipelines.datasource import ReadOptions, ShardDatasource
     from pipelines.mds_sink import MDSDatasink, parse_size
-    from pipelines.stats import StatsSink, format_report, new_stats_actor
+    from pipelines.stats import StatsSink, format_report, stats_sink
     from pipelines.units import READ_BLOCK_BYTES
 
     t0 = time.perf_counter()
@@ -234,7 +234,7 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
                                                   None if args.tokenize else read_opts.unit_size)}
     if args.tokenize:
         assert cfg is not None
-        sink_stats = StatsSink(new_stats_actor())
+        sink_stats = stats_sink()
         ds = tokenizer_stage(ds, cfg, table, sink_stats)
         ds = ds.map_batches(_keep_tokenized, batch_size=None, batch_format="pyarrow", num_cpus=worker_cpus)
         meta = json.dumps(tokenized_meta(cfg, table), indent=1).encode("utf-8")
@@ -251,7 +251,7 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
     result = {**sink.written, "seconds": round(time.perf_counter() - t0, 2), "output": args.output,
               "mode": "tokenize" if args.tokenize else "raw"}
     if args.tokenize:
-        result["report"] = format_report(ray.get(sink_stats.actor.snapshot.remote()))
+        result["report"] = format_report(sink_stats.snapshot())
     else:
         result["columns"] = sink.columns
     return result
