@@ -248,7 +248,7 @@ def sys_ours_local(p: dict[str, Any]) -> dict[str, Any]:
     for table in iter_packed_local(cfg, "train", sink):
         tokens, rows, _ = _count(table)
         clock.batch(tokens, rows)
-    snap = {"counters": dict(sink.local.counters), "examples": {}}
+    snap = sink.snapshot()
     return clock.result(efficiency=efficiency(snap))
 
 

@@ -38,6 +38,18 @@ class Counts:
             if len(ex) < MAX_EXAMPLES:
                 ex.append(example)
 
+    def merge(self, counters: dict[str, int], examples: dict[str, list[str]]) -> None:
+        """Add another batch's counters and examples (at most ``MAX_EXAMPLES`` kept per key)."""
+        for key, n in counters.items():
+            self.counters[key] += n
+        for key, ex in examples.items():
+            have = self.examples.setdefault(key, [])
+            have.extend(ex[: MAX_EXAMPLES - len(have)])
+
+    def snapshot(self) -> dict[str, Any]:
+        """``{"counters": {...}, "examples": {...}}``, as ``data_report()`` returns it."""
+        return {"counters": dict(self.counters), "examples": dict(self.examples)}
+
     def __bool__(self) -> bool:
         return bool(self.counters)
 
@@ -51,17 +63,11 @@ class DataStats:
         self._counts: dict[str, Counts] = {}
 
     def add(self, key: str, counters: dict[str, int], examples: dict[str, list[str]]) -> None:
-        counts = self._counts.setdefault(key, Counts())
-        for name, n in counters.items():
-            counts.counters[name] += n
-        for name, ex in examples.items():
-            have = counts.examples.setdefault(name, [])
-            have.extend(ex[: MAX_EXAMPLES - len(have)])
+        self._counts.setdefault(key, Counts()).merge(counters, examples)
 
     def snapshot(self, key: str) -> dict[str, Any]:
         """The totals of stream ``key`` (empty before its first batch)."""
-        counts = self._counts.get(key, Counts())
-        return {"counters": dict(counts.counters), "examples": dict(counts.examples)}
+        return self._counts.get(key, Counts()).snapshot()
 
 
 class StatsSink:
@@ -77,24 +83,20 @@ class StatsSink:
         if not counts:
             return
         if self.actor is None:
-            for key, n in counts.counters.items():
-                self.local.add(key, n)
-            for key, ex in counts.examples.items():
-                have = self.local.examples.setdefault(key, [])
-                have.extend(ex[: MAX_EXAMPLES - len(have)])
+            self.local.merge(counts.counters, counts.examples)
             return
         ray.get(self.actor.add.remote(self.key, dict(counts.counters), counts.examples))
 
     def snapshot(self) -> dict[str, Any]:
         """The totals so far: ``{"counters": {...}, "examples": {...}}``."""
         if self.actor is None:
-            return {"counters": dict(self.local.counters), "examples": dict(self.local.examples)}
+            return self.local.snapshot()
         return ray.get(self.actor.snapshot.remote(self.key))
 
 
 # This process's DataStats actor, by who this process is in its Ray session (its node and worker ids; a
-# driver's worker id alone is the job's, the same in every new local instance): after ray.shutdown() and
-# a new ray.init() the pair differs, and the new session's first stream starts a new actor.
+# driver's worker id alone is the job's, the same in every new local instance): after Ray is shut down and
+# started again the pair differs, and the new session's first stream starts a new actor.
 _SHARED: dict[str, Any] = {}
 _SHARED_LOCK = threading.Lock()  # the feeder actor opens streams from several threads
 
