@@ -138,6 +138,7 @@ class ByteSpans:
             return None
         post = tok.post_processor
         adds = bool(post is not None and post.num_special_tokens_to_add(False))
+        lengths.flags.writeable = False  # shared by the stages of one backend (pipelines.tokenize.byte_spans)
         return cls(lengths, adds)
 
     def usable(self, add_special_tokens: bool) -> bool:

@@ -27,15 +27,16 @@ from pipelines.config import DataConfig, ModelConfig
 from pipelines.datasource import BadRecordError
 from pipelines.sources import SourceTable
 from pipelines.stats import Counts, StatsSink
-from pipelines.tokenizer import IGNORE_INDEX, load_backend
+from pipelines.tokenizer import IGNORE_INDEX, shared_tokenizer
 from pipelines.units import carry_unit_columns, explode_units
 
 __all__ = ["IdChecker", "Problem", "id_problems", "tokenizer_vocab_size"]
 
 
 def tokenizer_vocab_size(model: ModelConfig) -> int:
-    """The vocabulary size ids are checked against (added tokens included), as the tokenizer stage sees it."""
-    return load_backend(model).vocab_size
+    """The vocabulary size ids are checked against (added tokens included), as the tokenizer stage sees it.
+    Loaded once per process and tokenizer files: the driver asks for each pre-tokenized stream it builds."""
+    return shared_tokenizer(model, with_hf=False)[1].vocab_size
 
 
 @dataclass(frozen=True)

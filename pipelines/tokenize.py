@@ -1,9 +1,11 @@
 """Tokenize: the CPU stage, ``(sample_id, record)`` blocks -> ``(sample_id, input_ids, labels)``.
 
 Each process that runs it (a tokenizer actor, or a read worker: ``data.tokenize.placement``) loads the
-tokenizer once. Per block it parses the JSON records, formats them (:mod:`pipelines.formats`),
-encodes the texts in batch calls of the Rust tokenizer (``data.tokenize.batch_size`` texts each, on
-the stage's encode thread, while this thread formats and labels the neighbouring slices), and turns
+tokenizer once, and the stages of the streams it serves after that share it
+(:func:`pipelines.tokenizer.shared_tokenizer`). Per block it parses the JSON records, formats them
+(:mod:`pipelines.formats`), encodes the texts in batch calls of the Rust tokenizer
+(``data.tokenize.batch_size`` texts each, on the stage's encode thread, while this thread formats and
+labels the neighbouring slices), and turns
 each format's trained character spans into labels (:mod:`pipelines.labels`), so the cost per sample
 is a few lookups, not a loop over tokens. Given a stream of blocks (inside a read task:
 :meth:`Tokenizer.stream`), it keeps the encode thread busy from one block to the next. With a byte-level
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,13 +42,19 @@ from pipelines.pretokenized import id_problems
 from pipelines.records import unpack_array
 from pipelines.sources import SourceTable, split_sample_id
 from pipelines.stats import Counts, StatsSink
-from pipelines.tokenizer import IGNORE_INDEX, load_backend, load_tokenizer, loads_without_transformers
+from pipelines.tokenizer import (
+    IGNORE_INDEX,
+    Backend,
+    load_tokenizer,
+    loads_without_transformers,
+    shared_tokenizer,
+)
 from pipelines.units import carry_unit_columns, explode_units
 
 # Dataset types whose formatter needs the transformers tokenizer (its chat template).
 HF_FORMATS = ("chat_template",)
 
-__all__ = ["IGNORE_INDEX", "TOKENIZED_SCHEMA", "Tokenizer", "imports_transformers", "rust_thread_env", "tokenized_table"]
+__all__ = ["IGNORE_INDEX", "TOKENIZED_SCHEMA", "Tokenizer", "byte_spans", "imports_transformers", "rust_thread_env", "tokenized_table"]
 
 
 def rust_thread_env(threads: int) -> dict[str, str]:
@@ -63,6 +72,31 @@ def imports_transformers(model: ModelConfig, table: SourceTable) -> bool:
     anything: a chat template, or a tokenizer that ``tokenizers`` alone does not load exactly
     (:func:`pipelines.tokenizer.loads_without_transformers`)."""
     return _needs_hf(table) or not loads_without_transformers(model)
+
+
+# ByteSpans of the shared backends this process has built stages on: id -> (backend, its ByteSpans or None).
+_SPANS: dict[int, tuple[Backend, ByteSpans | None]] = {}
+_SPANS_KEEP = 4
+_SPANS_LOCK = threading.Lock()
+
+
+def byte_spans(backend: Backend) -> ByteSpans | None:
+    """:meth:`ByteSpans.for_tokenizer` of ``backend``'s tokenizer, computed once per backend object.
+
+    The stages of stream after stream in one process share one backend
+    (:func:`pipelines.tokenizer.shared_tokenizer`), which nothing changes, and so its ByteSpans (0.07 s to
+    compute for GPT-2's vocabulary).
+    """
+    with _SPANS_LOCK:
+        hit = _SPANS.get(id(backend))
+    if hit is not None and hit[0] is backend:
+        return hit[1]
+    spans = ByteSpans.for_tokenizer(backend.tokenizer)
+    with _SPANS_LOCK:
+        _SPANS[id(backend)] = (backend, spans)  # the entry holds the backend, so its id is not reused meanwhile
+        while len(_SPANS) > _SPANS_KEEP:
+            _SPANS.pop(next(iter(_SPANS)))
+    return spans
 
 
 TOKENIZED_SCHEMA = pa.schema(
@@ -111,10 +145,9 @@ class Tokenizer:
         self._pool: ThreadPoolExecutor | None = None  # the encode thread (_encoder)
         # Chat templates need the transformers tokenizer; other formats only the Rust one, which loads
         # without importing transformers when that gives the same encoding (pipelines.tokenizer).
-        self._hf = load_tokenizer(model) if _needs_hf(table) else None
-        backend = load_backend(model, self._hf)
+        self._hf, backend = shared_tokenizer(model, _needs_hf(table))
         self.backend, self.eos, self.vocab_size = backend.tokenizer, backend.eos_token_id, backend.vocab_size
-        self.byte_spans = ByteSpans.for_tokenizer(self.backend)  # None: labels need the encoding's offsets
+        self.byte_spans = byte_spans(backend)  # None: labels need the encoding's offsets
         self.tokenizer_name = model.tokenizer_path
         self.formatters = [make_formatter(ds, data, self._hf) for ds in table.datasets]
         if data.add_eos and self.eos is None and any(ds.type in ("completion", "alpaca") for ds in table.datasets):

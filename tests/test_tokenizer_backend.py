@@ -11,7 +11,8 @@ import pytest
 from conftest import ALPACA, GPT2, SMOLLM2, make_config, needs_shared, write_jsonl
 
 from pipelines.config import ModelConfig
-from pipelines.tokenizer import load_backend, load_tokenizer
+from pipelines.tokenize import byte_spans
+from pipelines.tokenizer import load_backend, load_tokenizer, shared_tokenizer
 
 
 def _texts() -> list[str]:
@@ -47,6 +48,44 @@ def test_config_that_transformers_applies_falls_back(tmp_path):
     (tok / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": True}))
     model = ModelConfig.model_validate({"tokenizer": str(tok), "init": {}})
     assert not load_backend(model).direct
+
+
+@needs_shared
+def test_stages_share_one_tokenizer_per_process_and_files_loaded_again_when_they_change(tmp_path):
+    """Stream after stream in one process (a shared read worker) builds its stage on one loaded tokenizer
+    and its ByteSpans; a tokenizer.json rewritten in place, or another EOS token in the config, loads again."""
+    tok = tmp_path / "tok"
+    shutil.copytree(GPT2, tok)
+    model = ModelConfig.model_validate({"tokenizer": str(tok), "init": {}})
+    hf, first = shared_tokenizer(model, with_hf=False)
+    assert hf is None and first.direct and shared_tokenizer(model, with_hf=False)[1] is first
+    assert first.tokenizer.truncation is None and first.tokenizer.padding is None
+    spans = byte_spans(first)
+    assert spans is not None and byte_spans(first) is spans and not spans.byte_lengths.flags.writeable
+    text = "Hello world, said the test."
+    assert first.tokenizer.encode(text).ids[:2] == [15496, 995]
+    hf, via_hf = shared_tokenizer(model, with_hf=True)  # the chat-template stage's: transformers' and its backend
+    assert hf is not None and not via_hf.direct and shared_tokenizer(model, with_hf=True) == (hf, via_hf)
+    assert via_hf.tokenizer.encode(text).ids == first.tokenizer.encode(text).ids
+
+    data = json.loads((tok / "tokenizer.json").read_text())  # rewritten: one more token, matched first
+    data["added_tokens"].append({"id": 50257, "content": "Hello world", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": False})
+    (tok / "tokenizer.json").write_text(json.dumps(data))
+    second = shared_tokenizer(model, with_hf=False)[1]
+    assert second is not first and second.vocab_size == first.vocab_size + 1 == 50258
+    assert second.tokenizer.encode(text).ids[0] == 50257
+    assert len(byte_spans(second).byte_lengths) == 50258  # its own, not the first backend's
+    assert shared_tokenizer(model, with_hf=False)[1] is second
+    assert shared_tokenizer(model, with_hf=True)[0].encode(text)[0] == 50257
+
+    cfg = json.loads((tok / "tokenizer_config.json").read_text())  # another EOS token, same tokenizer.json
+    (tok / "tokenizer_config.json").write_text(json.dumps({**cfg, "eos_token": "Hello world"}))
+    third = shared_tokenizer(model, with_hf=False)[1]
+    assert (second.eos_token_id, third.eos_token_id) == (50256, 50257)
+
+    smol = shared_tokenizer(ModelConfig.model_validate({"tokenizer": str(SMOLLM2), "init": {}}), with_hf=False)[1]
+    assert len(byte_spans(smol).byte_lengths) == smol.vocab_size != first.vocab_size
 
 
 @needs_shared
