@@ -20,9 +20,9 @@ appended), labels ``[15496, 995, 50256]``. Labels are not shifted; the model shi
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import threading
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -74,29 +74,16 @@ def imports_transformers(model: ModelConfig, table: SourceTable) -> bool:
     return _needs_hf(table) or not loads_without_transformers(model)
 
 
-# ByteSpans of the shared backends this process has built stages on: id -> (backend, its ByteSpans or None).
-_SPANS: dict[int, tuple[Backend, ByteSpans | None]] = {}
-_SPANS_KEEP = 4
-_SPANS_LOCK = threading.Lock()
-
-
+@functools.lru_cache(maxsize=4)
 def byte_spans(backend: Backend) -> ByteSpans | None:
     """:meth:`ByteSpans.for_tokenizer` of ``backend``'s tokenizer, computed once per backend object.
 
     The stages of stream after stream in one process share one backend
     (:func:`pipelines.tokenizer.shared_tokenizer`), which nothing changes, and so its ByteSpans (0.07 s to
-    compute for GPT-2's vocabulary).
+    compute for GPT-2's vocabulary). A backend hashes and compares by its tokenizer object's identity, and
+    the cache holds the backend, so an entry never answers for another tokenizer.
     """
-    with _SPANS_LOCK:
-        hit = _SPANS.get(id(backend))
-    if hit is not None and hit[0] is backend:
-        return hit[1]
-    spans = ByteSpans.for_tokenizer(backend.tokenizer)
-    with _SPANS_LOCK:
-        _SPANS[id(backend)] = (backend, spans)  # the entry holds the backend, so its id is not reused meanwhile
-        while len(_SPANS) > _SPANS_KEEP:
-            _SPANS.pop(next(iter(_SPANS)))
-    return spans
+    return ByteSpans.for_tokenizer(backend.tokenizer)
 
 
 TOKENIZED_SCHEMA = pa.schema(

@@ -168,7 +168,8 @@ def _files_key(model: ModelConfig) -> tuple[Any, ...]:
     root = Path(path)
     if not root.is_dir():
         return (path, model.trust_remote_code)
-    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in root.iterdir() if p.is_file())
+    stats = ((p.name, p.stat()) for p in root.iterdir() if p.is_file())
+    files = sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats)
     return (str(root.resolve()), tuple(files), model.trust_remote_code)
 
 
