@@ -255,7 +255,8 @@ class DataConfig(_Strict):
     read_concurrency: int | Literal["auto"] | None = Field(
         "auto", description="Read tasks running at once; auto: one per tokenizer actor of the pool at its largest (1 "
         "on a 2-CPU machine, where B2 is ~30% faster than with Ray's default), one per CPU of the cluster when every "
-        "source is pre-tokenized MDS (and no more read tasks than that: one round); null: as many as the CPUs allow "
+        "source is pre-tokenized MDS (and no more read tasks than that, one round, nor than one per 128 MB of "
+        "uncompressed shards); null: as many as the CPUs allow "
         "(Ray's default)."
     )
     mix_by: Literal["tokens", "samples", "none"] = Field(

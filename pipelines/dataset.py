@@ -52,6 +52,14 @@ __all__ = ["ResumePoint", "all_pretokenized", "build_dataset", "data_report", "i
 # CPUs left for read and packing tasks when sizing the tokenizer pool automatically; a pool that
 # takes every CPU starves the reads and the pipeline hangs.
 CPU_RESERVE_FOR_READS = 0.5
+# A pre-tokenized stream gets a read task per this many bytes of shard data (uncompressed), and no more
+# than run at once (one per CPU). Each task beside the first waits for a worker process of its own, and a
+# cold cluster's start outlasts a small stream's share. On the 2-core host one task checks and packs about
+# 70 MB/s of int32 ids through Ray (B6's 12.8 M-token set, 54 MB: 0.8 s) and a worker start takes 1.1-1.8 s,
+# so a second task finishes sooner only past ~2 x 1.5 s x 70 MB/s = 200 MB; 128 MB leans to parallel reads,
+# as a larger or quieter node starts workers sooner. B6's set: 1 task instead of 2, whole pass 4.2 -> 3.1 s
+# (BENCHMARKS.md, "One read task for a small pre-tokenized stream"; with idle workers up, 0.8 s both ways).
+ID_BYTES_PER_READ_TASK = 128 << 20
 
 
 def ordered_files(cfg: Config, table: SourceTable, epoch: int, datasets: list[int] | None = None) -> list[int]:
@@ -127,6 +135,19 @@ def read_concurrency(cfg: Config, token_ids: bool, cpus: float | None = None) ->
     if token_ids:
         return max(1, math.floor(_cluster_cpus() if cpus is None else cpus))
     return tokenizer_pool_size(d.tokenize, cpus)[1]
+
+
+def id_read_tasks(table: SourceTable, files: list[int]) -> int:
+    """Read tasks worth starting for a pre-tokenized stream over ``files``: one per
+    :data:`ID_BYTES_PER_READ_TASK` of their shards' uncompressed data, at least one.
+
+    Example: 13 shards of 4.2 MB (12.8 M tokens) -> 1; 300 MB of shards -> 3 (``build_dataset`` then caps
+    it at one per CPU).
+    """
+    from pipelines.mds_index import shard_raw_bytes  # MDS modules load where MDS is read
+
+    raw = sum(shard_raw_bytes(table.files[i].meta) for i in files)
+    return max(1, math.ceil(raw / ID_BYTES_PER_READ_TASK))
 
 
 def tokenizer_env(threads: int) -> dict[str, str]:
@@ -385,7 +406,8 @@ def build_dataset(
     n_tasks = max(1, min(len(order) - first, cfg.data.read_tasks))
     concurrency = read_concurrency(cfg, opts.token_ids)
     if opts.token_ids and cfg.data.read_concurrency == "auto":
-        n_tasks = min(n_tasks, concurrency)  # one round: each task's start costs more than its work
+        # one round, and none for less work than its worker's start costs
+        n_tasks = min(n_tasks, concurrency, id_read_tasks(table, order[first:]))
     ds = ray.data.read_datasource(source, override_num_blocks=n_tasks, concurrency=concurrency,
                                   **read_task_args(cfg, stage))
     if stage is None:

@@ -42,6 +42,14 @@ def shard_holds_token_ids(meta: str) -> bool:
     return any(c in columns for c in ID_COLUMNS)
 
 
+def shard_raw_bytes(meta: str) -> int:
+    """A shard's size uncompressed (its index entry's ``raw_data`` bytes), from a source file's ``meta``.
+
+    Proportional to the tokens of an id-column shard, where the file's own size is that of its zstd data.
+    """
+    return int(json.loads(meta)["shard"]["raw_data"].get("bytes", 0))
+
+
 class MDSError(ValueError):
     """An MDS dataset that cannot be used; the message names the dataset and the shard."""
 

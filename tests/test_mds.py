@@ -204,9 +204,11 @@ def test_llm_foundry_concat_tokens_skip_the_tokenizer(tmp_path, gpt2, layout):
     assert sink.local.counters["samples_pretokenized"] == len(chunks) == sink.local.counters["samples_tokenized"]
 
 
-def test_pretokenized_sets_pack_inside_the_read_tasks(ray_local, tmp_path, gpt2):
+def test_pretokenized_sets_pack_inside_the_read_tasks(ray_local, tmp_path, gpt2, monkeypatch):
     """A set that is all token ids needs no tokenizer: the check-and-pack stage runs inside the read
-    tasks (no actor pool) and gives exactly the rows of the in-process path; a mixed set does not."""
+    tasks (no actor pool) and gives exactly the rows of the in-process path; a mixed set does not.
+    Its read tasks: no more than run at once (one per CPU), nor than one per ``ID_BYTES_PER_READ_TASK``
+    of uncompressed shards."""
     texts = [json.loads(line)["text"] for line in C4.read_text().splitlines()[:80]]
     chunks = _concat_chunks(gpt2, texts, 200)  # 200-token samples: concat packing makes 512-token rows
     root = mosaic_write(tmp_path / "concat", [{"tokens": c} for c in chunks], "zstd", size_limit=1 << 13,
@@ -214,21 +216,32 @@ def test_pretokenized_sets_pack_inside_the_read_tasks(ray_local, tmp_path, gpt2)
     import ray
     from ray.data._internal.logical.operators.read_operator import Read
 
-    from pipelines.dataset import CheckAndPack
+    from pipelines import dataset
+    from pipelines.dataset import CheckAndPack, id_read_tasks
 
+    index = json.loads((root / "index.json").read_text())
+    raw = sum(shard["raw_data"]["bytes"] for shard in index["shards"])  # the shards' bytes, uncompressed
+    assert raw > 4 * sum(len(c) for c in chunks)  # int32 ids and more: not the zstd files' sizes
     cpus = int(ray.cluster_resources()["CPU"])
-    for read_tasks in (2, 8):  # 8, the default: no more tasks than run at once (one per CPU), same rows
+    # read_tasks (8: the default), bytes per task -> read tasks
+    cases = [(8, dataset.ID_BYTES_PER_READ_TASK, 1),  # ~100 kB of ids: one task, the CPUs notwithstanding
+             (2, (raw + 2) // 3, 2),  # 3 tasks' worth of bytes, 2 CPUs (the fixture's): one round of 2
+             (8, (raw + 2) // 3, 2)]
+    for read_tasks, per_task, n_tasks in cases:
+        monkeypatch.setattr(dataset, "ID_BYTES_PER_READ_TASK", per_task)
         cfg = make_config([{"path": str(root), "type": "completion"}], sequence_len=512, packing="concat",
                           read_tasks=read_tasks, deterministic=True)
         table = resolve_sources(cfg)
-        assert len(table.files) > 4 and all_pretokenized(table, list(range(len(table.files))))
+        files = list(range(len(table.files)))
+        assert len(table.files) > 4 and all_pretokenized(table, files)
+        assert id_read_tasks(table, files) == (1 if per_task > raw else 3)
+        assert id_read_tasks(table, files[:1]) == 1  # only the files given count (a resumed stream's rest)
         want = pa.concat_tables(iter_packed_local(cfg)).select(["input_ids", "labels", "position_ids", "sample_ids"])
         ds = build_dataset(cfg)
         read_op = ds._logical_plan.dag
         while not isinstance(read_op, Read):
             (read_op,) = read_op.input_dependencies
-        # 2 CPUs (the fixture's): with 8 or more, min(read_tasks, cpus) would be read_tasks either way
-        assert read_op.compute.size == cpus == 2 and read_op.parallelism == min(read_tasks, cpus)
+        assert read_op.compute.size == cpus == 2 and read_op.parallelism == n_tasks
         got = pa.concat_tables(ds.iter_batches(batch_size=None, batch_format="pyarrow")).select(want.column_names)
         assert got.num_rows > 20 and got.to_pylist() == want.to_pylist()
         assert sum(len(r) for r in got.column("input_ids").to_pylist()) == sum(len(c) for c in chunks)
