@@ -55,7 +55,7 @@ CPU_RESERVE_FOR_READS = 0.5
 # A pre-tokenized stream gets a read task per this many bytes of shard data (uncompressed), and no more
 # than run at once (one per CPU). Each task beside the first waits for a worker process of its own, and a
 # cold cluster's start outlasts a small stream's share. On the 2-core host one task checks and packs about
-# 70 MB/s of int32 ids through Ray (B6's 12.8 M-token set, 54 MB: 0.8 s) and a worker start takes 1.1-1.8 s,
+# 70 MB/s of int32 ids through Ray (B6's 12.8 M-token set, 54 MB: 0.8 s) and a worker start takes ~1.5 s,
 # so a second task finishes sooner only past ~2 x 1.5 s x 70 MB/s = 200 MB; 128 MB leans to parallel reads,
 # as a larger or quieter node starts workers sooner. B6's set: 1 task instead of 2, whole pass 4.2 -> 3.1 s
 # (BENCHMARKS.md, "One read task for a small pre-tokenized stream"; with idle workers up, 0.8 s both ways).
