@@ -215,3 +215,40 @@ def test_capped_reads_give_the_same_rows(ray_local, tmp_path):
         local = local or [r for t in iter_packed_local(cfg) for r in t.to_pylist()]
         assert len(rows) == len(local) > 50
         assert [r["input_ids"] for r in rows] == [r["input_ids"] for r in local]
+
+
+def _read_tasks(ds) -> int:
+    """How many read tasks ``ds``'s plan asks for (the read operator's parallelism)."""
+    from ray.data._internal.logical.operators.read_operator import Read
+
+    op = ds._logical_plan.dag
+    while not isinstance(op, Read):
+        (op,) = op.input_dependencies
+    return op.parallelism
+
+
+@needs_shared
+def test_read_tasks_that_tokenize_run_in_one_round(ray_local, tmp_path):
+    """Where the tokenizer runs in the read tasks, ``read_concurrency: auto`` makes no more read tasks than
+    run at once: one task follows another in the same slot only after a scheduling round, with its tokenizer
+    pipeline to fill again. A cap set by hand keeps ``read_tasks``; an actor pool keeps them too. The rows are
+    the same every way."""
+    from pipelines.dataset import build_dataset, iter_packed_local, tokenizer_placement
+
+    records = json.loads(LIMA.read_text(encoding="utf-8"))[:600]
+    paths = [write_jsonl(tmp_path / f"part{i}.jsonl", records[i::4]) for i in range(4)]
+    datasets = [{"path": str(p), "type": "alpaca"} for p in paths]
+    local = None
+    # data settings (read_tasks: 3 throughout) -> the tokenizer's placement, read tasks at once, read tasks
+    cases = [({}, "read_tasks", 1, 1),  # auto placement on 2 CPUs: one at a time -> one task
+             ({"tokenize": {"placement": "read_tasks", "num_actors": 2, "num_cpus": 0.5}}, "read_tasks", 2, 2),
+             ({"read_concurrency": 1}, "read_tasks", 1, 3),  # set by hand: read_tasks, one after another
+             ({"tokenize": {"num_actors": 2, "num_cpus": 0.5}}, "actors", 2, 3)]  # the read tasks only read
+    for data, placement, at_once, n_tasks in cases:
+        cfg = make_config(datasets, sequence_len=1024, pack_buffer_size=64, read_tasks=3, **data)
+        assert tokenizer_placement(cfg.data.tokenize) == placement
+        ds = build_dataset(cfg)
+        assert (_read_tasks_at_once(ds), _read_tasks(ds)) == (at_once, n_tasks), data
+        rows = [r for b in ds.iter_batches(batch_size=None, batch_format="pyarrow") for r in b.to_pylist()]
+        local = local or [r["input_ids"] for t in iter_packed_local(cfg) for r in t.to_pylist()]
+        assert len(rows) == len(local) > 50 and [r["input_ids"] for r in rows] == local
