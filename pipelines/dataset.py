@@ -408,7 +408,7 @@ def build_dataset(
     if stage is not None and cfg.data.read_concurrency == "auto":
         # The read tasks tokenize or check ids themselves: one round. A task that follows another in the same
         # slot waits a scheduling round and fills its tokenizer pipeline again (B2 on 2 CPUs, 8 tasks -> 1:
-        # steady rate +4.7%, see BENCHMARKS.md).
+        # steady median +3.5% over 12 A/B pairs, see BENCHMARKS.md).
         n_tasks = min(n_tasks, concurrency)
         if opts.token_ids:  # and none for less work than its worker's start costs
             n_tasks = min(n_tasks, id_read_tasks(table, order[first:]))
