@@ -251,8 +251,8 @@ class DataConfig(_Strict):
     )
     read_num_cpus: float = Field(0.25, gt=0, description="CPUs reserved per read task (small so actors never starve reads; read tasks "
                                  "that tokenize reserve data.tokenize.num_cpus instead).")
-    read_tasks: int = Field(8, gt=0, description="Read tasks (each owns a contiguous group of whole files); at most "
-                            "that many where the read tasks tokenize or check ids themselves (see read_concurrency).")
+    read_tasks: int = Field(8, gt=0, description="Read tasks (each owns a contiguous group of whole files); fewer "
+                            "where the read tasks tokenize or check ids themselves (see read_concurrency).")
     read_concurrency: int | Literal["auto"] | None = Field(
         "auto", description="Read tasks running at once; auto: one per tokenizer actor of the pool at its largest (1 "
         "on a 2-CPU machine, where B2 is ~30% faster than with Ray's default), one per CPU of the cluster when every "
