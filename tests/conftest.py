@@ -111,6 +111,17 @@ def write_jsonl(path: Path, records: list) -> Path:
     return path
 
 
+def read_op(ds):
+    """The read operator of a dataset's plan: ``compute.size`` caps its tasks at once, ``parallelism`` is how
+    many it asks for, ``datasource`` is the :class:`pipelines.datasource.ShardDatasource`."""
+    from ray.data._internal.logical.operators.read_operator import Read
+
+    op = ds._logical_plan.dag
+    while not isinstance(op, Read):
+        (op,) = op.input_dependencies
+    return op
+
+
 # A real S3 endpoint on loopback (moto_server), session-scoped; see tests/conftest_s3.py.
 from conftest_s3 import moto_s3, s3_env  # noqa: E402, F401
 

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import yaml
-from conftest import ALPACA, C4, GPT2, SMOLLM2, load_ray_job, make_config, needs_shared
+from conftest import ALPACA, C4, GPT2, SMOLLM2, load_ray_job, make_config, needs_shared, read_op
 
 from pipelines.dataset import all_pretokenized, build_dataset, data_report, iter_packed_local
 from pipelines.datasource import ReadOptions, read_all_records
@@ -214,7 +214,6 @@ def test_pretokenized_sets_pack_inside_the_read_tasks(ray_local, tmp_path, gpt2,
     root = mosaic_write(tmp_path / "concat", [{"tokens": c} for c in chunks], "zstd", size_limit=1 << 13,
                         columns={"tokens": "ndarray:int32"})
     import ray
-    from ray.data._internal.logical.operators.read_operator import Read
 
     from pipelines import dataset
     from pipelines.dataset import CheckAndPack, id_read_tasks
@@ -238,14 +237,12 @@ def test_pretokenized_sets_pack_inside_the_read_tasks(ray_local, tmp_path, gpt2,
         assert id_read_tasks(table, files[:1]) == 1  # only the files given count (a resumed stream's rest)
         want = pa.concat_tables(iter_packed_local(cfg)).select(["input_ids", "labels", "position_ids", "sample_ids"])
         ds = build_dataset(cfg)
-        read_op = ds._logical_plan.dag
-        while not isinstance(read_op, Read):
-            (read_op,) = read_op.input_dependencies
-        assert read_op.compute.size == cpus == 2 and read_op.parallelism == n_tasks
+        op = read_op(ds)
+        assert op.compute.size == cpus == 2 and op.parallelism == n_tasks
         got = pa.concat_tables(ds.iter_batches(batch_size=None, batch_format="pyarrow")).select(want.column_names)
         assert got.num_rows > 20 and got.to_pylist() == want.to_pylist()
         assert sum(len(r) for r in got.column("input_ids").to_pylist()) == sum(len(c) for c in chunks)
-        assert read_op.datasource.stage.stage is CheckAndPack  # checked and packed inside the read tasks
+        assert op.datasource.stage.stage is CheckAndPack  # checked and packed inside the read tasks
         assert "MapBatches" not in ds.stats()  # one operator, tasks only
 
     mixed = make_config([{"path": str(root), "type": "completion"}, {"path": str(ALPACA), "type": "alpaca"}])

@@ -15,7 +15,7 @@ import sys
 
 import pyarrow as pa
 import pytest
-from conftest import ALPACA, GLAIVE, GPT2, SMOLLM2, make_config, needs_shared, write_jsonl
+from conftest import ALPACA, GLAIVE, GPT2, SMOLLM2, make_config, needs_shared, read_op, write_jsonl
 
 from pipelines.config import TokenizeConfig
 from pipelines.dataset import tokenizer_placement
@@ -50,12 +50,7 @@ def _operators(ds) -> list[str]:
 
 def _read_stage(ds):
     """The stage the dataset's read tasks run their blocks through (``ShardDatasource.stage``)."""
-    from ray.data._internal.logical.operators.read_operator import Read
-
-    op = ds._logical_plan.dag
-    while not isinstance(op, Read):
-        (op,) = op.input_dependencies
-    return op.datasource.stage
+    return read_op(ds).datasource.stage
 
 
 @needs_shared

@@ -13,7 +13,7 @@ import re
 
 import pyarrow as pa
 import pytest
-from conftest import LIMA, make_config, needs_shared, write_jsonl
+from conftest import LIMA, make_config, needs_shared, read_op, write_jsonl
 
 from pipelines.datasource import read_files
 from pipelines.stats import StatsSink
@@ -164,16 +164,6 @@ def test_feeder_skips_the_empty_block_of_a_read_task_without_units(ray_local, tm
     assert got == local and sum(len(x) for x in got) == 16
 
 
-def _read_op(ds):
-    """The read operator of ``ds``'s plan: ``compute.size`` caps its tasks at once, ``parallelism`` is how many."""
-    from ray.data._internal.logical.operators.read_operator import Read
-
-    op = ds._logical_plan.dag
-    while not isinstance(op, Read):
-        (op,) = op.input_dependencies
-    return op
-
-
 def test_read_concurrency_follows_the_tokenizer_pool():
     from pipelines.dataset import read_concurrency
 
@@ -210,7 +200,7 @@ def test_capped_reads_give_the_same_rows(ray_local, tmp_path):
         cfg = make_config(datasets, sequence_len=1024, pack_buffer_size=64, read_tasks=3, read_concurrency=setting,
                           tokenize={"num_actors": 2, "num_cpus": 0.5, "batch_size": 64})
         ds = build_dataset(cfg)
-        assert _read_op(ds).compute.size == cap
+        assert read_op(ds).compute.size == cap
         rows = [r for b in ds.iter_batches(batch_size=None, batch_format="pyarrow") for r in b.to_pylist()]
         local = local or [r for t in iter_packed_local(cfg) for r in t.to_pylist()]
         assert len(rows) == len(local) > 50
@@ -238,7 +228,7 @@ def test_read_tasks_that_tokenize_run_in_one_round(ray_local, tmp_path):
         cfg = make_config(datasets, sequence_len=1024, pack_buffer_size=64, read_tasks=3, **data)
         assert tokenizer_placement(cfg.data.tokenize) == placement
         ds = build_dataset(cfg)
-        assert (_read_op(ds).compute.size, _read_op(ds).parallelism) == (at_once, n_tasks), data
+        assert (read_op(ds).compute.size, read_op(ds).parallelism) == (at_once, n_tasks), data
         rows = [r for b in ds.iter_batches(batch_size=None, batch_format="pyarrow") for r in b.to_pylist()]
         local = local or [r["input_ids"] for t in iter_packed_local(cfg) for r in t.to_pylist()]
         assert len(rows) == len(local) > 50 and [r["input_ids"] for r in rows] == local
