@@ -1,7 +1,7 @@
 """B7: resume latency by position in the epoch, ours vs skip-N-rows resumption.
 
 For 10%, 50% and 90% of an epoch over the same data (Alpaca demo replicated into JSONL shards,
-GPT-2 tokenizer, bfd packing), in one Ray instance:
+GPT-2 tokenizer, bfd packing), each run in a Ray instance of its own:
 
 * ours: the :class:`~pipelines.dataset.ResumePoint` a checkpoint at that position holds (file,
   unit start, rows of the unit done) -> ``build_dataset(start=...)`` -> time to the first row;
@@ -9,11 +9,14 @@ GPT-2 tokenizer, bfd packing), in one Ray instance:
   rows read and dropped until the position -> time to the first row after it.
 
 Both are data-side latency: the model/optimizer restore is the same for both and not included.
-Each timed run comes after an untimed one of its kind and the positions take turns (10, 50, 90, 10, ...),
-so every run starts from the same state: the stream before it abandoned after its first row (ours) or at
-its position (skip). Run in position order instead, the first runs of ours at 10% came right after a whole
-pass and were faster than any run after an abandoned stream (1.49-1.54 s against 2.2-2.6 s on 2026-12-05),
-which read as a cost of position. Prints a markdown table and a ``RESULT {json}`` line (see
+Every run gets a Ray instance of its own, started before its clock and shut down after it, as a resumed
+job does: so every position starts from the same state. Resumed one after another in one instance, a run's
+first row depended on the worker processes the streams before it had left: Ray Data kills the worker of a
+stream left halfway (``ray.cancel(force=True)``), and a run that had to start one took 0.7-1.3 s longer. Which
+runs did was periodic in the order of the runs, so one position could be slow in all 5 of its runs (the
+2026-12-05 21:14 full run: 0.66 s at 10%, 1.92 s at 50%, 1.2 s at 90%, although every position resumes at
+the same place in its file). The positions still take turns (10, 50, 90, 10, ...), after an untimed run of
+each kind (imports in this process). Prints a markdown table and a ``RESULT {json}`` line (see
 benchmarks/README.md).
 
     .venv/bin/python benchmarks/resume.py [--quick]
@@ -98,28 +101,34 @@ def main() -> None:
     copies, repeats = (4, 1) if args.quick else (20, 5)
     data = _data(Path(args.work), copies)
     from pipelines.ray_local import init_local
-    init_local(num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+    def fresh(fn):  # one run in a Ray instance of its own; the clock is inside fn
+        init_local(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            return fn()
+        finally:
+            ray.shutdown()
+
     cfg = _config(data)
     from pipelines.dataset import build_dataset
 
-    total_rows = build_dataset(cfg).count()
+    total_rows = fresh(lambda: build_dataset(cfg).count())
     fracs = (0.1, 0.5, 0.9)
     runs: dict[str, dict[float, list[float]]] = {"ours": {f: [] for f in fracs}, "skip": {f: [] for f in fracs}}
     measure = {"ours": lambda f: _ours(cfg, copies, f), "skip": lambda f: _skip(cfg, total_rows, f)}
     for system, run in measure.items():
-        run(0.3)  # untimed: the first timed run, too, follows an abandoned stream of its kind
+        fresh(lambda run=run: run(0.3))  # untimed: this process's imports of the run's code
         for _ in range(repeats):
             for frac in fracs:
-                runs[system][frac].append(run(frac))
-    ray.shutdown()
+                runs[system][frac].append(fresh(lambda run=run, frac=frac: run(frac)))
     res: dict[str, dict[str, object]] = {}
     for frac in fracs:
         ours, skip = runs["ours"][frac], runs["skip"][frac]
         res[f"{int(frac * 100)}%"] = {"ours_s": round(statistics.median(ours), 2), "skip_s": round(statistics.median(skip), 2),
                                       "ours_runs": [round(t, 2) for t in ours], "skip_runs": [round(t, 2) for t in skip]}
     print(f"data: {copies} JSONL shards x 999 Alpaca records, {total_rows} packed rows of 1024, GPT-2; "
-          f"median of {repeats}, positions in turn after an untimed run; time to the first row after resuming "
-          "(start-up of the process that tokenizes included)")
+          f"median of {repeats}, positions in turn, each run in a Ray instance of its own; time to the first row "
+          "after resuming (start-up of the process that tokenizes included)")
     print("| position | ours: seek to unit (s) | skip N rows (s) | skip / ours | ours' runs (s) |")
     print("|---|---:|---:|---:|---|")
     for pos, r in res.items():
