@@ -76,18 +76,21 @@ def test_read_operator_emits_one_block_per_unit_and_rows_match_local(ray_local, 
     assert sorted(s for r in rows for s in r["sample_ids"]) == sorted(set(s for r in rows for s in r["sample_ids"]))
 
 
-def _split_and_whole(cfg, order: list[int], parallelism: int):
-    """Blocks and counts of ``read_files`` over the whole ``order``, and of the datasource's read tasks."""
-    from pipelines.dataset import _read_options
+def _split_and_whole(cfg, order: list[int], parallelism: int, start=None):
+    """Blocks and counts of ``read_files`` over the whole ``order``, and of the datasource's read tasks;
+    ``start`` (a :class:`~pipelines.dataset.ResumePoint`) resumes both as ``build_dataset`` does."""
+    from pipelines.dataset import _read_options, _start
     from pipelines.datasource import ShardDatasource
     from pipelines.sources import resolve_sources
 
     table = resolve_sources(cfg)
     opts = _read_options(cfg, table, "train", order)
+    first, cursor, skip = _start(start)
+    files = order[first:]
     whole = StatsSink()
-    expected = list(read_files([table.files[i] for i in order], opts, whole))
+    expected = list(read_files([table.files[i] for i in files], opts, whole, cursor, skip))
     split = StatsSink()
-    tasks = ShardDatasource(table, order, opts, split).get_read_tasks(parallelism)
+    tasks = ShardDatasource(table, files, opts, split, cursor, skip).get_read_tasks(parallelism)
     per_task = [list(task.read_fn()) for task in tasks]  # as Ray Data's read tasks run them
     got = [b for blocks in per_task for b in blocks]
     assert len(got) == len(expected) > 3
@@ -232,3 +235,25 @@ def test_read_tasks_that_tokenize_run_in_one_round(ray_local, tmp_path):
         rows = [r for b in ds.iter_batches(batch_size=None, batch_format="pyarrow") for r in b.to_pylist()]
         local = local or [r["input_ids"] for t in iter_packed_local(cfg) for r in t.to_pylist()]
         assert len(rows) == len(local) > 50 and [r["input_ids"] for r in rows] == local
+
+
+@needs_shared
+def test_a_resumed_stream_has_a_task_for_its_first_unit(tmp_path):
+    """A resumed stream's first unit (full size, from the resume point) gets a task of its own too, so its
+    rows leave without waiting for the next units' (B7); both tasks together read exactly the unsplit
+    resumed stream: same unit blocks, the rows already trained on marked in the first, counted once."""
+    from pipelines.dataset import ResumePoint
+    from pipelines.sources import make_sample_id
+
+    lima = json.loads(LIMA.read_text(encoding="utf-8"))
+    paths = [write_jsonl(tmp_path / f"{k}.jsonl", lima[k * 300:(k + 1) * 300]) for k in range(3)]
+    cfg = make_config([{"path": str(p), "type": "alpaca"} for p in paths], pack_buffer_size=100, read_tasks=2)
+    # a checkpoint in the second file, in its third unit (rows 200-299), 3 of that unit's packed rows done
+    point = ResumePoint(epoch=0, file_pos=1, row=200, byte=-1, skip_rows=3)
+    per_task, counters = _split_and_whole(cfg, [0, 1, 2], 1, start=point)
+
+    assert len(per_task) == 2 and len(per_task[0]) == 1  # the resumed unit alone, then the rest
+    first = per_task[0][0].to_pylist()[0]
+    assert first["unit_id"] == make_sample_id(1, 200) and first["unit_end_row"] == 300
+    assert first["unit_records"] == 100 and first["unit_skip"] == 3
+    assert counters["records_read"] == 100 + 300  # the rest of the second file and the third, once
