@@ -69,9 +69,7 @@ class ReadOptions:
     eval_fraction: float = 0.0
     split: str = "train"
     unit_size: int = 10000  # records per packing unit (data.pack_buffer_size)
-    # the epoch's first file: its first unit is small (see pipelines.units), and the stream's first unit gets a read
-    # task of its own (ShardDatasource.get_read_tasks); -1 (convert.py): neither
-    first_unit_source: int = -1
+    first_unit_source: int = -1  # the stream's first file: its first unit is small (see pipelines.units)
     token_ids: bool = False  # every file is pre-tokenized MDS: blocks of TOKEN_SCHEMA, records are TokenRecords
 
     @property
@@ -367,11 +365,13 @@ BlockStage = Callable[[Iterator[pa.Table]], Iterator[pa.Table]]
 
 class ShardDatasource(Datasource):
     """Ray Data source over a :class:`SourceTable`, reading files in a seeded order; with ``stage``, each read
-    task runs its unit blocks through it (one stream per task) and hands on what it yields (``stage_schema``)."""
+    task runs its unit blocks through it (one stream per task) and hands on what it yields (``stage_schema``).
+    ``first_unit_task``: the stream's first unit gets a read task of its own (:meth:`get_read_tasks`), for a
+    stream whose first row is waited for; ``convert.py``, which only writes, turns it off."""
 
     def __init__(self, table: SourceTable, order: list[int], opts: ReadOptions, sink: StatsSink,
                  start: Cursor | None = None, skip_rows: int = 0, stage: BlockStage | None = None,
-                 stage_schema: pa.Schema | None = None) -> None:
+                 stage_schema: pa.Schema | None = None, first_unit_task: bool = True) -> None:
         super().__init__()
         assert (stage is None) == (stage_schema is None), "a stage comes with its output schema"
         self._files = [table.files[i] for i in order]
@@ -379,6 +379,7 @@ class ShardDatasource(Datasource):
         self._sink = sink
         self._start, self._skip = start, skip_rows
         self._stage, self._schema = stage, stage_schema or opts.schema
+        self._first_unit_task = first_unit_task
 
     def get_name(self) -> str:
         return "ReadShards"
@@ -395,13 +396,13 @@ class ShardDatasource(Datasource):
         """One task per group of whole files, and before them a task for the stream's first unit.
 
         A read task's units are merged into blocks of up to ``READ_BLOCK_BYTES`` before they leave it, and
-        the tokenizer stage hands on a block's rows when the whole block is done. In the streams
-        ``build_dataset`` makes (``opts.first_unit_source`` set; ``convert.py``'s read only writes) the first
-        unit therefore gets a task of its own: its block leaves at once and is tokenized alone, so the first row
-        does not wait for the units merged after it. The first group's task reads that unit again and drops
-        it (``units=slice(1, None)``). The price is reading the first unit twice: ``FIRST_UNIT_BYTES`` from an
-        epoch's start; a full-size unit from a resume point (which starts at a unit of the epoch's layout) or
-        when the first file holds no record (then the first unit is the next file's).
+        the tokenizer stage hands on a block's rows when the whole block is done. The stream's first unit
+        therefore gets a task of its own (unless ``first_unit_task`` is off): its block leaves at once and is
+        tokenized alone, so the first row does not wait for the units merged after it. The first group's task
+        reads that unit again and drops it (``units=slice(1, None)``). The price is reading the first unit
+        twice: ``FIRST_UNIT_BYTES`` from an epoch's start; a full-size unit from a resume point (which starts at
+        a unit of the epoch's layout) or when the first file holds no record (then the first unit is the next
+        file's).
 
         Example (B7's data, 20 JSONL files, a resume in the third file): without a task for the first unit,
         the resumed unit's packed rows reached the consumer 0.44-0.54 s after the read task yielded them (they
@@ -411,7 +412,7 @@ class ShardDatasource(Datasource):
         for group in group_files(self._files, max(parallelism, 1)):
             start, skip = (self._start, self._skip) if group[0] is self._files[0] else (None, 0)
             units = slice(None)
-            if group[0] is self._files[0] and self._opts.first_unit_source >= 0:
+            if group[0] is self._files[0] and self._first_unit_task:
                 # the whole group, not its first file: if that file holds no record, the first unit is the
                 # next file's first, and both tasks must agree on which unit that is
                 tasks.append(self._task(group, start, skip, slice(0, 1), FIRST_UNIT_BYTES, per_task_row_limit))

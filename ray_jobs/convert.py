@@ -221,7 +221,7 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
     # Read, filter and write tasks ask data.read_num_cpus (small, so they run beside the tokenizer actors).
     worker_cpus = cfg.data.read_num_cpus if cfg else DataConfig.model_fields["read_num_cpus"].default
     order = list(range(len(table.files)))
-    source = ShardDatasource(table, order, read_opts, StatsSink())
+    source = ShardDatasource(table, order, read_opts, StatsSink(), first_unit_task=False)  # no first row to hurry
     ds = ray.data.read_datasource(source, override_num_blocks=max(1, min(len(order), tasks)), num_cpus=worker_cpus,
                                   concurrency=read_concurrency(cfg, token_ids=False) if args.tokenize else None)
     ds.context.execution_options.preserve_order = True
