@@ -1,4 +1,5 @@
-"""Where B2's CPU goes once rows flow: cores used per process (and per thread of the busiest) through Ray.
+"""Where B2's CPU goes once rows flow: cores used per process (and per thread of the busiest) through Ray;
+and where the whole pass's CPU goes, Ray's start-up included.
 
     .venv/bin/python benchmarks/steady_cpu.py [--root CHECKOUT] [--data DIR] [--repeats 1]
 
@@ -10,6 +11,12 @@ the two reads). On 2 CPUs the tokenizing read worker should hold close to 2 core
 threads, and its own thread (read, Python per sample, packing). ``--root`` runs another checkout's
 ``pipelines`` (its driver and Ray's workers), to compare two versions of the code on one host. Prints a
 table per run and a ``RESULT {json}`` line.
+
+Each run's second table is the whole pass: every process's CPU time since it started (the driver's imports
+included), read when ``ray.init`` returns, at the first row and at the end. B2 counts the same CPU (the
+whole process tree, start-up included) per million tokens. Example line: ``0.88 = 0.32 + 0.00 + 0.56
+ray::_AutoscalingCoordinatorActor``: 0.32 CPU-s by the end of ``ray.init``, none until the first row,
+0.56 after it.
 """
 
 from __future__ import annotations
@@ -25,6 +32,18 @@ from benchlib import use_checkout
 HERE = Path(__file__).resolve().parent
 
 
+def label(cmdline: list[str]) -> str:
+    """A process's short name: a Python script's file name, a Ray worker's title, or the program's name.
+
+    Example: ``[".../python", "-u", ".../ray/_private/log_monitor.py", ...]`` -> ``log_monitor.py``;
+    ``["ray::DataStats"]`` -> ``ray::DataStats``; ``[".../ray/gcs/gcs_server", ...]`` -> ``gcs_server``.
+    """
+    if not cmdline:
+        return ""
+    script = next((a for a in cmdline[1:] if a.endswith(".py")), None)
+    return Path(script).name if script else Path(cmdline[0].split()[0]).name
+
+
 def snapshot(procs: list[Any]) -> dict[int, tuple[float, str, dict[int, float]]]:
     """pid -> (CPU seconds, name, {thread id: CPU seconds}) for the live processes of ``procs``."""
     out = {}
@@ -32,7 +51,7 @@ def snapshot(procs: list[Any]) -> dict[int, tuple[float, str, dict[int, float]]]
         try:
             c = pr.cpu_times()
             threads = {t.id: t.user_time + t.system_time for t in pr.threads()}
-            out[pr.pid] = (c.user + c.system, " ".join(pr.cmdline())[:60] or pr.name(), threads)
+            out[pr.pid] = (c.user + c.system, label(pr.cmdline()) or pr.name(), threads)
         except Exception:  # noqa: BLE001 - a process that ended between listing and reading
             continue
     return out
@@ -54,6 +73,7 @@ def one_pass(data: Path) -> dict[str, Any]:
     ray.data.DataContext.get_current().enable_progress_bars = False
     me = psutil.Process()
     tree = lambda: [me, *me.children(recursive=True)]  # noqa: E731
+    at_init = snapshot(tree())
     ds = build_dataset(cfg)
     t0 = time.perf_counter()
     first = tokens = first_tokens = 0
@@ -74,8 +94,12 @@ def one_pass(data: Path) -> dict[str, Any]:
                       "top_threads_cpu_s": [round(x, 3) for x in top]})
     procs.sort(key=lambda p: -p["cpu_s"])
     total = sum(p["cpu_s"] for p in procs)
+    whole = [{"pid": pid, "name": name, "cpu_s": cpu, "at_init_s": at_init.get(pid, (0.0,))[0],
+              "at_first_row_s": before.get(pid, (0.0,))[0]} for pid, (cpu, name, _) in after.items()]
+    whole.sort(key=lambda p: -p["cpu_s"])
     return {"steady_tok_s": (tokens - first_tokens) / wall, "steady_wall_s": wall, "first_row_s": first - t0,
-            "cpu_s": total, "cores": total / wall, "processes": procs[:8]}
+            "cpu_s": total, "cores": total / wall, "processes": procs[:8], "tokens": tokens,
+            "whole_cpu_s": sum(p["cpu_s"] for p in whole), "whole": whole}
 
 
 def main() -> None:
@@ -95,6 +119,13 @@ def main() -> None:
         for p in r["processes"]:
             if p["cpu_s"] > 0.02:
                 print(f"  {p['cpu_s']:6.2f} CPU-s {p['cores']:4.2f} cores  {p['name']}  threads {p['top_threads_cpu_s']}")
+        print(f"whole pass: {r['whole_cpu_s']:.2f} CPU-s = {r['whole_cpu_s'] / (r['tokens'] / 1e6):.2f} per M tokens; "
+              "per process, since it started = by the end of ray.init + until the first row + after it:")
+        for p in r["whole"]:
+            if p["cpu_s"] > 0.02:
+                first = p["at_first_row_s"] - p["at_init_s"]
+                print(f"  {p['cpu_s']:6.2f} = {p['at_init_s']:5.2f} + {first:5.2f} + {p['cpu_s'] - p['at_first_row_s']:5.2f}"
+                      f"  {p['name']}")
     print("RESULT " + json.dumps({"root": str(root), "runs": results}))
 
 
