@@ -6,8 +6,8 @@ B2's ceiling is ``encode_batch_fast`` alone on 2 threads (B1). Any pipeline that
 ``tokenizers`` Python API also parses each JSON record, builds its prompt, turns each encoding's ids (a
 list of Python ints) into an array and frees the encoding objects; on 2 cores that CPU competes with the
 encoding. This script measures each of those steps apart (CPU seconds of this process, the encoding on one
-Rust thread: ``RAYON_NUM_THREADS=1``), on B2's data (``benchmarks/run.py`` writes it), so the share of the
-2 cores left for encoding can be bounded from below. Steps, per pass over the records:
+Rust thread: ``RAYON_NUM_THREADS=1``), on B2's data (``benchmarks/run.py`` writes it): a lower bound on the
+CPU that such a pipeline spends besides encoding. Steps, per pass over the records:
 
 * ``json``: ``json.loads`` of every line;
 * ``format``: the Alpaca prompt and trained spans (:class:`pipelines.formats.AlpacaFormat`);

@@ -13,11 +13,10 @@ threads, and its own thread (read, Python per sample, packing). ``--root`` runs 
 table per run and a ``RESULT {json}`` line.
 
 Each run's second table is the whole pass: every process's CPU time since it started, read when ``ray.init``
-returns, at the first row and at the end. The driver's counts its imports in the first run; later runs (in
-the same driver) count its CPU from their own start. B2 counts the same CPU (the
-whole process tree, start-up included) per million tokens. Example line: ``0.88 = 0.32 + 0.00 + 0.56
-ray::_AutoscalingCoordinatorActor``: 0.32 CPU-s by the end of ``ray.init``, none until the first row,
-0.56 after it.
+returns, at the first row and at the end; B2 counts the same CPU (the whole process tree, start-up included)
+per million tokens. The driver's imports count in the first run; later runs in the same driver count its CPU
+from their own start. Example line: ``0.92 = 0.34 + 0.55 + 0.03 ray::_AutoscalingCoordinatorActor``:
+0.34 CPU-s by the end of ``ray.init``, 0.55 more until the first row, 0.03 after it.
 """
 
 from __future__ import annotations
