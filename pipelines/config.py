@@ -172,14 +172,37 @@ class DatasetConfig(_Strict):
             "gpt": "assistant",
             "assistant": "assistant",
             "system": "system",
-            "function_call": "assistant",
+            "function_call": "tool_call",
             "observation": "tool",
             "tool": "tool",
         },
-        description="Maps source role names (ShareGPT's human/gpt/...) to chat-template roles.",
+        description="chat_template: source role names (ShareGPT's human/gpt/...) to roles. tool_call: an assistant turn "
+        "whose value is a JSON call {name, arguments} (ShareGPT function_call); tool: a tool result.",
     )
-    roles_to_train: list[str] = Field(["assistant"], description="chat_template: roles whose turns carry labels.")
+    train_turns: Literal["all", "last"] = Field(
+        "all", description="chat_template: which assistant turns train; a message's own train: true|false (or weight: "
+        "1|0) overrides. Tool results, user and system turns train only under data.train_on_inputs."
+    )
+    train_reasoning: bool = Field(True, description="chat_template: train the reasoning (reasoning_content, thinking, "
+                                  "<think>) of trained assistant turns.")
+    train_tool_calls: bool = Field(True, description="chat_template: train the tool calls of trained assistant turns.")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="chat_template: extra template variables, e.g. {enable_thinking: false}."
+    )
+    ignore_fields: list[str] = Field(
+        default_factory=list, description="chat_template: record columns to ignore (metadata such as id, source); any "
+        "other column the format does not know is a bad record."
+    )
     segments_field: str = Field("segments", description="input_output: list of {text, label} segments.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, values: Any) -> Any:
+        if isinstance(values, dict) and "roles_to_train" in values:
+            raise ValueError("roles_to_train was removed: assistant turns train (train_turns: all | last, or a "
+                             "message's own train: true|false); user, system and tool turns train only under "
+                             "data.train_on_inputs")
+        return values
 
     @field_validator("path")
     @classmethod

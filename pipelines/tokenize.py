@@ -34,9 +34,11 @@ import numpy as np
 import pyarrow as pa
 
 from pipelines.arrays import list_array, parts_flat
+from pipelines.chat_template import Pieces
 from pipelines.config import DataConfig, ModelConfig
 from pipelines.datasource import BadRecordError
-from pipelines.formats import Formatted, RecordError, make_formatter
+from pipelines.errors import RecordError
+from pipelines.formats import Formatted, make_formatter
 from pipelines.labels import ByteSpans, span_labels
 from pipelines.pretokenized import id_problems
 from pipelines.records import unpack_array
@@ -86,6 +88,21 @@ def byte_spans(backend: Backend) -> ByteSpans | None:
     return ByteSpans.for_tokenizer(backend.tokenizer)
 
 
+@functools.lru_cache(maxsize=4)
+def plain_tokenizer(backend: Backend) -> Any:
+    """``backend``'s tokenizer with no added tokens: text in, the model's own tokens out, so a control string
+    inside data (``"<|im_end|>"``) is encoded as its characters. Chat pieces are encoded with it
+    (:class:`pipelines.chat_template.Pieces`); cached per backend as :func:`byte_spans` is."""
+    from tokenizers import Tokenizer as RustTokenizer
+
+    state = json.loads(backend.tokenizer.to_str())
+    state["added_tokens"] = []
+    plain = RustTokenizer.from_str(json.dumps(state))
+    plain.no_truncation()
+    plain.no_padding()
+    return plain
+
+
 TOKENIZED_SCHEMA = pa.schema(
     [("sample_id", pa.int64()), ("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))]
 )
@@ -133,6 +150,7 @@ class Tokenizer:
         # Chat templates need the transformers tokenizer; other formats only the Rust one, which loads
         # without importing transformers when that gives the same encoding (pipelines.tokenizer).
         self._hf, backend = shared_tokenizer(model, _needs_hf(table))
+        self._backend = backend
         self.backend, self.eos, self.vocab_size = backend.tokenizer, backend.eos_token_id, backend.vocab_size
         self.byte_spans = byte_spans(backend)  # None: labels need the encoding's offsets
         self.tokenizer_name = model.tokenizer_path
@@ -148,7 +166,7 @@ class Tokenizer:
         return self._hf
 
     # -- one record -------------------------------------------------------------------------
-    def _format(self, sample_id: int, record: str, counts: Counts) -> Formatted | Pretokenized | None:
+    def _format(self, sample_id: int, record: str, counts: Counts) -> Formatted | Pieces | Pretokenized | None:
         try:
             rec = json.loads(record)
         except json.JSONDecodeError as err:
@@ -211,7 +229,7 @@ class Tokenizer:
         """Whether texts encoded with this flag go without offsets (their labels then come from the ids)."""
         return self.byte_spans is not None and self.byte_spans.usable(add_special_tokens)
 
-    def _format_slice(self, blk: _Block, start: int) -> list[tuple[bool, list[int], Future]]:
+    def _format_slice(self, blk: _Block, start: int) -> list[tuple[bool | None, list[int], Future]]:
         """Format ``blk``'s records from ``start`` (one ``data.tokenize.batch_size`` slice) and submit their
         texts to the encode thread: one call per ``add_special_tokens`` flag (the flag is per call; what a
         sample encodes to does not depend on its call)."""
@@ -225,7 +243,17 @@ class Tokenizer:
             if idx:
                 texts = [blk.formatted[i].text for i in idx]
                 calls.append((flag, idx, self._encoder().submit(self._encode, texts, flag)))
+        idx = [i for i in range(start, len(blk.formatted)) if isinstance(blk.formatted[i], Pieces)]
+        if idx:
+            texts = [t for i in idx for t, c in zip(blk.formatted[i].texts, blk.formatted[i].control, strict=True) if c < 0]
+            calls.append((None, idx, self._encoder().submit(self._encode_plain, texts)))
         return calls
+
+    def _encode_plain(self, texts: list[str]) -> list[list[int]]:
+        """Chat pieces' texts, each alone, with no added token recognised (:func:`plain_tokenizer`)."""
+        plain = plain_tokenizer(self._backend)
+        encode = plain.encode_batch_fast if hasattr(plain, "encode_batch_fast") else plain.encode_batch
+        return [enc.ids for enc in encode(texts, add_special_tokens=False)]
 
     def _encoder(self) -> ThreadPoolExecutor:
         """The stage's one encode thread (made on first use: the stage object itself is never pickled)."""
@@ -233,13 +261,17 @@ class Tokenizer:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")
         return self._pool
 
-    def _label(self, blk: _Block, calls: list[tuple[bool, list[int], Future]]) -> None:
+    def _label(self, blk: _Block, calls: list[tuple[bool | None, list[int], Future]]) -> None:
         """Ids and labels of one of ``blk``'s slices, into ``blk.encoded`` by index, once it is encoded."""
         for flag, idx, future in calls:
             group = [blk.formatted[i] for i in idx]
             encs = future.result()
-            done = (self._from_ids(group, encs) if self._fast(flag)
-                    else [self._with_offsets(f, enc) for f, enc in zip(group, encs, strict=True)])
+            if flag is None:
+                done = _from_pieces(group, encs)
+            elif self._fast(flag):
+                done = self._from_ids(group, encs)
+            else:
+                done = [self._with_offsets(f, enc) for f, enc in zip(group, encs, strict=True)]
             blk.encoded.update(zip(idx, done, strict=True))
         blk.labelled += 1
 
@@ -315,7 +347,7 @@ class Tokenizer:
         yet labelled, and at most one block with records is read ahead of the one handed on.
         """
         open_blocks: deque[_Block] = deque()
-        pending: tuple[_Block, list[tuple[bool, list[int], Future]]] | None = None
+        pending: tuple[_Block, list[tuple[bool | None, list[int], Future]]] | None = None
         for batch in blocks:
             blk = _Block.of(batch)
             open_blocks.append(blk)
@@ -335,7 +367,7 @@ class Tokenizer:
     def _finish(self, blk: _Block) -> pa.Table:
         """A block whose slices are all labelled -> its output table; its counters go to the sink."""
         sids, formatted, counts = blk.sids, blk.formatted, blk.counts
-        live = [i for i, f in enumerate(formatted) if isinstance(f, Formatted)]
+        live = [i for i, f in enumerate(formatted) if isinstance(f, Formatted | Pieces)]
         for i in live:  # what the formatter did to a sample (e.g. tools moved into a system turn)
             for key in formatted[i].counters:
                 counts.add(key, 1, self.table.where(sids[i]))
@@ -362,6 +394,22 @@ class Tokenizer:
         return carry_unit_columns(blk.batch, tokenized_table(sids, all_ids, all_labels))
 
 
+def _from_pieces(group: list[Pieces], encs: list[list[int]]) -> list[Encoded]:
+    """Chat samples from their pieces: text pieces' ids (``encs``, in order) and control ids joined, labelled
+    where the piece is trained. Example: pieces ``"\n"`` (untrained), ``<|im_end|>`` (id 2, trained) with
+    ``encs = [[198]]`` -> ids ``[198, 2]``, labels ``[-100, 2]``."""
+    out = []
+    texts = iter(encs)
+    for p in group:
+        parts = [next(texts) if c < 0 else [c] for c in p.control]
+        lengths = np.fromiter(map(len, parts), np.int64, len(parts))
+        ids = np.fromiter(chain.from_iterable(parts), np.int32, int(lengths.sum()))
+        mask = np.repeat(np.fromiter(p.trained, bool, len(parts)), lengths)
+        labels = np.where(mask, ids, IGNORE_INDEX).astype(np.int32)
+        out.append(Encoded(ids, labels, 0, bool(mask.any())))
+    return out
+
+
 @dataclass
 class _Block:
     """One block in the tokenizer stage: its records, and their formatted and encoded forms as its slices
@@ -371,7 +419,7 @@ class _Block:
     sids: list[int]
     records: list[str]
     counts: Counts = field(default_factory=Counts)
-    formatted: list[Formatted | Pretokenized | None] = field(default_factory=list)
+    formatted: list[Formatted | Pieces | Pretokenized | None] = field(default_factory=list)
     encoded: dict[int, Encoded] = field(default_factory=dict)  # by index into records
     submitted: int = 0  # slices formatted and sent to the encode thread
     labelled: int = 0  # slices labelled

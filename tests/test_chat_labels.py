@@ -5,7 +5,7 @@ header ids, BOS) on the same vocabulary plus Llama-3's special tokens, and a Cha
 ``{% generation %}`` markers, whose trained characters Hugging Face's own ``return_assistant_tokens_mask``
 machinery computes independently. Edge cases: one-character answers, whitespace-only answers, answers
 equal to a piece of the role header, trailing whitespace the template trims, a template that changes
-the content (not locatable: refused or skipped and counted), and tool definitions.
+the content (the rendered text trains), and tool definitions.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import json
 import pytest
 from conftest import GLAIVE, SMOLLM2, make_config, needs_shared, write_jsonl
 
+from pipelines.chat_template import tools_system_text
 from pipelines.datasource import ReadOptions, read_files
-from pipelines.formats import RecordError, make_formatter, tools_system_text
+from pipelines.errors import RecordError
+from pipelines.formats import make_formatter
 from pipelines.sources import resolve_sources
 from pipelines.stats import StatsSink
 from pipelines.tokenize import IGNORE_INDEX, Tokenizer
@@ -38,15 +40,20 @@ CHATML_GENERATION = (
 )
 # A Qwen2.5-style template that renders tool definitions itself.
 CHATML_TOOLS = (
-    "{% if tools %}{{ '<|im_start|>system\nTools:\n' }}{% for t in tools %}{{ t['name'] + ': ' + t['description'] + '\n' }}"
+    "{% if tools %}{{ '<|im_start|>system\nTools:\n' }}{% for t in tools %}{{ t['function']['name'] + ': ' + t['function']['description'] + '\n' }}"
     "{% endfor %}{{ '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-# Changes the content beyond whitespace: a span that cannot be located exactly.
+# Changes the content beyond whitespace: what it renders is what trains.
 CHATML_REWRITES = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] | replace('colour', 'color')"
-    " + '<|im_end|>\n' }}{% endfor %}"
+    " + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Neither a generation prompt nor generation markers: where an answer starts cannot be known.
+CHATML_NO_PROMPT = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
 )
 
 
@@ -61,6 +68,7 @@ def tokenizers(tmp_path_factory):
         ("generation", CHATML_GENERATION, []),
         ("tools", CHATML_TOOLS, []),
         ("rewrites", CHATML_REWRITES, []),
+        ("no_prompt", CHATML_NO_PROMPT, []),
     ]:
         tok = AutoTokenizer.from_pretrained(SMOLLM2)
         if extra:
@@ -88,6 +96,18 @@ def _tokenize(tmp_path, tokenizer, records, **data):
     tok = Tokenizer(cfg.data, cfg.model, table, sink)
     out = [tok(b) for b in read_files(list(table.files), opts, sink)]
     return tok, out[0], dict(sink.local.counters)
+
+
+def _spans(pieces) -> list[tuple[int, int]]:
+    """Character spans of a Pieces' trained runs in its text."""
+    spans, pos = [], 0
+    for text, trained in zip(pieces.texts, pieces.trained, strict=True):
+        if trained and spans and spans[-1][1] == pos:
+            spans[-1] = (spans[-1][0], pos + len(text))
+        elif trained:
+            spans.append((pos, pos + len(text)))
+        pos += len(text)
+    return spans
 
 
 def _trained_pieces(tok, ids: list[int], labels: list[int]) -> list[str]:
@@ -141,7 +161,7 @@ def test_spans_equal_the_generation_markers(tokenizers):
                                                      return_assistant_tokens_mask=True, **hf.special_tokens_map)
         got = fmt({"messages": msgs})
         assert got.text == rendered[0]
-        assert got.spans == [tuple(g) for g in generation[0]], answers
+        assert _spans(got) == [tuple(g) for g in generation[0]], answers
 
 
 @pytest.mark.parametrize("family", ["chatml", "llama3"])
@@ -155,13 +175,19 @@ def test_whitespace_only_answers_train_nothing_and_are_counted(tmp_path, tokeniz
     assert _trained_pieces(tok, ids[1], labels[1]) == [f"Fine.{end}"]  # the empty turn trains no end marker
 
 
-def test_content_the_template_rewrites_is_refused_or_skipped_and_counted(tmp_path, tokenizers):
+def test_content_the_template_rewrites_trains_as_rendered(tmp_path, tokenizers):
+    """What the template renders for a turn is what generation produces after its prompt: that trains."""
     records = [_conv("The colour is red."), _conv("Blue.")]
-    with pytest.raises(Exception, match=r"c\.jsonl.*line 1.*cannot locate the content"):
-        _tokenize(tmp_path, tokenizers["rewrites"], records)
-    tok, out, counters = _tokenize(tmp_path, tokenizers["rewrites"], records, on_bad_record="skip")
-    assert out["input_ids"].to_pylist()[0] == [] and counters.get("skipped_bad_record") == 1
-    assert _trained_pieces(tok, out["input_ids"].to_pylist()[1], out["labels"].to_pylist()[1]) == ["Blue.<|im_end|>"]
+    tok, out, counters = _tokenize(tmp_path, tokenizers["rewrites"], records)
+    ids, labels = out["input_ids"].to_pylist(), out["labels"].to_pylist()
+    assert _trained_pieces(tok, ids[0], labels[0]) == ["The color is red.<|im_end|>"]
+    assert _trained_pieces(tok, ids[1], labels[1]) == ["Blue.<|im_end|>"]
+    assert counters["chat_turns_trained"] == 2 and "skipped_bad_record" not in counters
+
+
+def test_a_template_without_generation_prompt_or_markers_is_refused(tmp_path, tokenizers):
+    with pytest.raises(RecordError, match=r"no_prompt.*adds no generation prompt.*header cannot be told"):
+        _tokenize(tmp_path, tokenizers["no_prompt"], [_conv("Hi")])
 
 
 def test_glaive_tools_reach_the_text_as_a_system_turn_with_chatml(tmp_path):
@@ -176,8 +202,9 @@ def test_glaive_tools_reach_the_text_as_a_system_turn_with_chatml(tmp_path):
     for rec, text in zip(records, texts, strict=True):
         tools = json.loads(rec["tools"]) if rec.get("tools") else []
         if tools:
-            assert text.startswith("<|im_start|>system\n" + tools_system_text(tools) + "<|im_end|>\n"), text[:300]
-            for t in tools:  # every schema is there, name and parameters
+            wrapped = [{"type": "function", "function": t} for t in tools]  # the OpenAI form templates read
+            assert text.startswith("<|im_start|>system\n" + tools_system_text(wrapped) + "<|im_end|>\n"), text[:300]
+            for t in wrapped:  # every schema is there, name and parameters
                 assert json.dumps(t, ensure_ascii=False) in text
         else:
             assert "<tools>" not in text and text.startswith("<|im_start|>system\nYou are a helpful AI assistant")
@@ -202,9 +229,10 @@ def test_tools_system_turn_joins_an_existing_system_turn(tokenizers):
     fmt = make_formatter(cfg.data.datasets[0], cfg.data, hf)
     tools = [{"name": "f", "description": "d"}]
     got = fmt({**_conv("ok", system="Be brief."), "tools": tools})
-    assert got.text.startswith(f"<|im_start|>system\nBe brief.\n\n{tools_system_text(tools)}<|im_end|>\n")
-    assert got.counters == ("tools_in_system_turn",)
-    assert [got.text[s:e] for s, e in got.spans] == ["ok<|im_end|>"]
+    wrapped = [{"type": "function", "function": tools[0]}]
+    assert got.text.startswith(f"<|im_start|>system\nBe brief.\n\n{tools_system_text(wrapped)}<|im_end|>\n")
+    assert got.counters == ("tools_in_system_turn", "chat_turns_trained")
+    assert [got.text[s:e] for s, e in _spans(got)] == ["ok<|im_end|>"]
     for bad in ('[{"name": ', '{"name": "f"}', "[1, 2]"):
         with pytest.raises(RecordError, match="tools"):
             fmt({**_conv("ok"), "tools": bad})

@@ -244,13 +244,26 @@ def test_chatml_masks_only_assistant_turns_openai_and_sharegpt(tmp_path):
 
 
 @needs_shared
-def test_roles_to_train_is_configurable(tmp_path):
-    convs = [{"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}]
-    cfg = make_config([{"path": str(write_jsonl(tmp_path / "c.jsonl", convs)), "type": "chat_template",
-                        "roles_to_train": ["user", "assistant"]}], tokenizer=SMOLLM2)
-    tok, tables, _ = _tokenize(cfg)
-    dec = tok.hf.decode([t for t in tables[0]["labels"].to_pylist()[0] if t != IGNORE_INDEX])
-    assert dec == "Q<|im_end|>A<|im_end|>"
+def test_which_turns_train_last_only_or_per_message(tmp_path):
+    conv = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
+            {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"},
+            {"role": "user", "content": "Q3"}, {"role": "assistant", "content": "A3"}]
+    flagged = [dict(conv[0]), {**conv[1], "train": False}, dict(conv[2]), {**conv[3], "weight": 1}]
+
+    def trained(records, **ds):
+        path = write_jsonl(tmp_path / f"c{len(list(tmp_path.iterdir()))}.jsonl", records)
+        cfg = make_config([{"path": str(path), "type": "chat_template", **ds}], tokenizer=SMOLLM2)
+        tok, tables, sink = _tokenize(cfg)
+        rows = tables[0]["labels"].to_pylist()
+        return [tok.hf.decode([t for t in lab if t != IGNORE_INDEX]) for lab in rows], sink.local.counters
+
+    assert trained([{"messages": conv}])[0] == ["A1<|im_end|>A2<|im_end|>A3<|im_end|>"]
+    got, counters = trained([{"messages": conv}], train_turns="last")
+    assert got == ["A3<|im_end|>"] and counters["chat_turns_untrained"] == 2 and counters["chat_turns_trained"] == 1
+    assert trained([{"messages": flagged}])[0] == ["A2<|im_end|>"]  # the message's own flag wins
+    assert trained([{"messages": flagged}], train_turns="last")[0] == ["A2<|im_end|>"]
+    with pytest.raises(ConfigError, match="roles_to_train was removed.*train_turns"):
+        make_config([{"path": "x.jsonl", "type": "chat_template", "roles_to_train": ["user", "assistant"]}])
 
 
 @needs_shared

@@ -57,7 +57,6 @@ CORPORA = [
     ("alpaca-gpt2", ALPACA, "alpaca", GPT2),
     ("alpaca-smollm2", ALPACA, "alpaca", SMOLLM2),
     ("lima-gpt2", LIMA, "alpaca", GPT2),
-    ("glaive-chatml", GLAIVE, "chat_template", SMOLLM2),
     ("c4-gpt2", C4, "completion", GPT2),
     ("c4-smollm2", C4, "completion", SMOLLM2),
     ("shakespeare-smollm2", SHAKESPEARE, "completion", SMOLLM2),

@@ -1,0 +1,449 @@
+"""``chat_template``: a conversation rendered with the tokenizer's own template, as pieces with exact labels.
+
+A chat sample is not one text to encode but a list of :class:`Pieces`: text, encoded on its own with no
+added token recognised, and control tokens (``<|im_start|>``, ``<|eot_id|>``, ``<tool_call>``...), taken
+as ids. Three rules decide the pieces:
+
+1. **Control tokens come only from the template.** Every string in the data (content, reasoning, tool
+   calls, tool results, tool schemas) has each control string replaced by a private-use character
+   before rendering, and back after, so a user who types ``<|im_end|>`` gets the 10 characters, never
+   the token. Every control string left in the rendering is the template's own.
+2. **A cut at every generation point.** The row is cut where each trained assistant turn's generation
+   prompt ends (``add_generation_prompt=True`` on the turns before it), so the prompt tokens are exactly
+   what that prompt tokenizes to alone, and the answer's tokens start a new word: ChatML's
+   ``"assistant\\n"`` and an answer ``"\\n\\nHi"`` stay ``"\\n"`` | ``"\\n\\n" "Hi"`` instead of merging
+   into one ``"\\n\\n\\n"`` that inference would never see. Control tokens already split the text in any
+   tokenization, so between cuts the ids are the tokenizer's own.
+3. **A turn trains as it is generated.** Turn ``k``'s trained text is what the template renders for it
+   after its generation prompt (``render(turns[:k+1])`` past ``render(turns[:k], add_generation_prompt)``:
+   reasoning, content, tool calls), up to and with its end marker, and only where the whole
+   conversation renders it the same way at the same place. Where it does not (Qwen3 and gpt-oss drop
+   the reasoning of earlier turns; Mistral moves the system prompt into the last user turn), the turn
+   is not trained and is counted (``chat_turns_untrained_context``): training it would teach text the
+   model never generates in that context. The last assistant turn always qualifies. Training such turns
+   too would take a sample per turn (each in its own inference context): the tokens of every earlier
+   turn once more per later turn, quadratic in the turns.
+
+Worked example (ChatML, user "Hi", assistant "\\n\\nHello"; ``|`` a cut, ``[..]`` a control token,
+``^`` trained)::
+
+    [<|im_start|>]user\\nHi[<|im_end|>]\\n[<|im_start|>]assistant\\n | \\n\\nHello[<|im_end|>] | \\n
+                                                           ^^^^^^^^^^^^^^^^^^^^^
+
+What a template does not render itself goes where the template can show it, and is counted: tool
+schemas in a system turn (``tools_in_system_turn``), tool calls as Hermes ``<tool_call>`` JSON after
+the content (``chat_tool_calls_inlined``), reasoning as a ``<think>`` block before it
+(``chat_reasoning_inlined``), tool results as user turns in ``<tool_response>`` tags
+(``chat_tool_results_as_user``). A template's own error (``raise_exception``) is a :class:`RecordError`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from jinja2 import TemplateError
+
+from pipelines.chat_messages import REASONING_KEYS, Conversation, parse_conversation
+from pipelines.config import DataConfig, DatasetConfig
+from pipelines.errors import RecordError
+
+__all__ = ["ChatTemplateFormat", "ControlTokens", "Pieces", "tools_system_text"]
+
+# The private-use plane (U+F0000 on) stands in for control strings inside data while a template renders.
+MARK_BASE = 0xF0000
+
+# Tool definitions for templates that ignore ``tools=``: the text Qwen2.5 / Hermes templates put in
+# their system turn, one JSON schema per line.
+TOOLS_SYSTEM_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>"
+)
+TOOL_CALL_TEXT = "<tool_call>\n{call}\n</tool_call>"  # Hermes / Qwen2.5, for templates that ignore tool_calls
+TOOL_RESPONSE_TEXT = "<tool_response>\n{content}\n</tool_response>"
+THINK_TEXT = "<think>\n{reasoning}\n</think>\n\n"  # Qwen3 / DeepSeek-R1, for templates that ignore reasoning
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "zqprobefn", "description": "probe",
+                                                "parameters": {"type": "object", "properties": {}}}}
+_PROBE_CALL = {"id": "call00001", "type": "function", "function": {"name": "zqprobefn", "arguments": {}}}
+GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
+
+
+def tools_system_text(tools: list | tuple) -> str:
+    """The system-turn text for tool definitions, e.g. ``[{"name": "f"}]`` -> ``... <tools>\\n{"name": "f"}\\n</tools>``."""
+    return TOOLS_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A chat sample as the tokenizer stage encodes it: ``texts[i]`` is encoded alone with no added token
+    recognised where ``control[i] == -1``, else it is the control token ``control[i]``; ``trained[i]``
+    says whether its tokens carry labels."""
+
+    texts: tuple[str, ...]
+    control: tuple[int, ...]
+    trained: tuple[bool, ...]
+    counters: tuple[str, ...] = ()
+
+    @property
+    def text(self) -> str:
+        """The rendered conversation."""
+        return "".join(self.texts)
+
+
+class ControlTokens:
+    """The tokenizer's added tokens (special or not): what a template may emit as a control token.
+
+    Escaping puts one private-use character per control string into data strings, e.g. with
+    ``<|im_end|>`` the 3rd longest: ``"a<|im_end|>b"`` -> ``"a\\U000f0002b"``; :meth:`unescape` undoes it.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        tokens = sorted(((t.content, i, t) for i, t in tokenizer.added_tokens_decoder.items() if t.content),
+                        key=lambda x: (-len(x[0]), x[0]))
+        self.ids = {content: i for content, i, _ in tokens}
+        self.pattern = re.compile("|".join(re.escape(c) for c, _, _ in tokens) or "(?!)")
+        self.mark = {c: chr(MARK_BASE + k) for k, (c, _, _) in enumerate(tokens)}
+        self.unmark = {v: c for c, v in self.mark.items()}
+        self.marks = re.compile(f"[{chr(MARK_BASE)}-{chr(MARK_BASE + max(len(tokens), 1) - 1)}]")
+        self.lstrip = {c for c, _, t in tokens if t.lstrip}
+        self.rstrip = {c for c, _, t in tokens if t.rstrip}
+
+    def escape(self, s: str) -> str:
+        if self.marks.search(s):
+            raise RecordError(f"text contains private-use character U+{ord(self.marks.search(s).group()):X}, "
+                              "which stands in for control tokens while a template renders")
+        return self.pattern.sub(lambda m: self.mark[m.group()], s) if self.pattern.search(s) else s
+
+    def escape_all(self, value: Any) -> Any:
+        """``value`` with every string in it (dict keys too) escaped."""
+        if isinstance(value, str):
+            return self.escape(value)
+        if isinstance(value, list | tuple):
+            return [self.escape_all(v) for v in value]
+        if isinstance(value, dict):
+            return {self.escape_all(k): self.escape_all(v) for k, v in value.items()}
+        return value
+
+    def unescape(self, s: str) -> str:
+        return self.marks.sub(lambda m: self.unmark[m.group()], s)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a template renders itself, found once by rendering small probe conversations."""
+
+    tools: bool
+    tool_calls: bool
+    tool_role: bool
+    reasoning_key: str | None
+    end_markers: frozenset[str]
+
+
+@dataclass
+class _Turn:
+    """One assistant turn being located: its message index and where its trained text lies."""
+
+    index: int
+    start: int = 0
+    end: int = 0
+    untrained: list[tuple[int, int]] = field(default_factory=list)  # reasoning / calls left out of the labels
+
+
+class ChatTemplateFormat:
+    """Records -> :class:`Pieces` with the tokenizer's chat template (see the module docstring)."""
+
+    def __init__(self, ds: DatasetConfig, data: DataConfig, tokenizer: Any) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise RecordError(
+                f"dataset {ds.path!r} has type chat_template but tokenizer "
+                f"{getattr(tokenizer, 'name_or_path', '?')!r} has no chat template"
+            )
+        self.ds, self.tok, self.all_trained = ds, tokenizer, data.train_on_inputs
+        self.kwargs = dict(ds.chat_template_kwargs)
+        self.control = ControlTokens(tokenizer)
+        self.generation_markers = bool(GENERATION_BLOCK.search(tokenizer.chat_template))
+        self.caps = self._probe()
+        user = [{"role": "user", "content": "Hi"}]
+        if not self.generation_markers and self._try(user) == self._render(user, None, generation_prompt=True):
+            raise RecordError(f"the chat template of {getattr(tokenizer, 'name_or_path', '?')!r} adds no generation "
+                              "prompt (add_generation_prompt) and has no {% generation %} markers, so an assistant "
+                              "turn's header cannot be told from its answer")
+
+    # -- the template -----------------------------------------------------------------------
+    def _render(self, msgs: list[dict[str, Any]], tools: list | None, generation_prompt: bool = False) -> str:
+        if not msgs:
+            return ""
+        try:
+            return self.tok.apply_chat_template(msgs, tools=tools, tokenize=False,
+                                                add_generation_prompt=generation_prompt, **self.kwargs)
+        except _TEMPLATE_ERRORS as err:
+            raise RecordError(f"the chat template failed: {type(err).__name__}: {err}") from None
+
+    def _generation_spans(self, msgs: list[dict[str, Any]], tools: list | None) -> list[tuple[int, int]]:
+        """The ``{% generation %}`` blocks of the rendered conversation, as transformers finds them."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        try:
+            _, spans = render_jinja_template(conversations=[msgs], tools=tools, chat_template=self.tok.chat_template,
+                                             return_assistant_tokens_mask=True,
+                                             **{**self.tok.special_tokens_map, **self.kwargs})
+        except _TEMPLATE_ERRORS as err:
+            raise RecordError(f"the chat template failed: {type(err).__name__}: {err}") from None
+        return [tuple(span) for span in spans[0]]
+
+    def _try(self, msgs: list[dict[str, Any]], tools: list | None = None) -> str:
+        try:
+            return self._render(msgs, tools)
+        except RecordError:
+            return ""
+
+    def _probe(self) -> Capabilities:
+        user = [{"role": "user", "content": "Hi"}]
+        call = {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]}
+        tools = self._try(user, [_PROBE_TOOL]) not in ("", self._try(user))
+        tool_calls = "zqprobefn" in self._try([*user, call])
+        answered = call if tool_calls else {"role": "assistant", "content": "ok"}
+        result = {"role": "tool", "content": "zqproberesult", "tool_call_id": "call00001", "name": "zqprobefn"}
+        tool_role = "zqproberesult" in self._try([*user, answered, result])
+        key = next((k for k in REASONING_KEYS
+                    if "zqprobereason" in self._try([*user, {"role": "assistant", "content": "ok", k: "zqprobereason"}])),
+                   None)
+        ends = {self.tok.eos_token} if getattr(self.tok, "eos_token", None) else set()
+        for probe in (user, [*user, {"role": "assistant", "content": "ok"}]):
+            tail = self._try(probe).rstrip()
+            last = None
+            for m in self.control.pattern.finditer(tail):
+                last = m
+            if last is not None and last.end() == len(tail):
+                ends.add(last.group())
+        return Capabilities(tools, tool_calls, tool_role, key, frozenset(ends))
+
+    # -- one record ---------------------------------------------------------------------------
+    def __call__(self, rec: dict[str, Any]) -> Pieces:
+        conv = parse_conversation(rec, self.ds)
+        msgs, index, tools, counters = self._template_messages(conv)
+        full = self._render(msgs, tools)
+        if self.all_trained:
+            return self._pieces(full, [(0, len(full))], counters)
+        trained: list[tuple[int, int]] = []
+        marked = self._generation_spans(msgs, tools) if self.generation_markers else None
+        chosen = self._trained_turns(conv)
+        for k in chosen:
+            turn = self._locate(msgs, index[k], tools, full, conv.messages[k])
+            m = conv.messages[k]
+            n_calls, has_reasoning = len(m.get("tool_calls", ())), bool(m.get("reasoning", "").strip())
+            if turn is None:
+                counters += ["chat_turns_untrained_context"] + ["chat_tool_calls_untrained"] * n_calls
+                counters += ["chat_reasoning_untrained"] * has_reasoning
+                continue
+            counters.append("chat_turns_trained")
+            counters += [f"chat_tool_calls_{'trained' if self.ds.train_tool_calls else 'untrained'}"] * n_calls
+            counters += [f"chat_reasoning_{'trained' if self.ds.train_reasoning else 'untrained'}"] * has_reasoning
+            spans = [(turn.start, turn.end)]
+            if marked is not None:  # the template says what trains: its generation blocks inside the turn
+                spans = [(max(s, turn.start), min(e, turn.end)) for s, e in marked if s < turn.end and e > turn.start]
+            trained += [piece for span in spans for piece in _subtract(span, turn.untrained)]
+        for k, m in enumerate(conv.messages):  # turns the record or train_turns leave out
+            if m["role"] == "assistant" and k not in chosen and _has_output(m):
+                counters += ["chat_turns_untrained"] + ["chat_tool_calls_untrained"] * len(m.get("tool_calls", ()))
+        return self._pieces(full, trained, counters)
+
+    def _trained_turns(self, conv: Conversation) -> list[int]:
+        """Indices of the assistant turns that train: ``train_turns`` unless the message says otherwise."""
+        turns = [k for k, m in enumerate(conv.messages) if m["role"] == "assistant" and _has_output(m)]
+        last = turns[-1] if turns else -1
+        out = []
+        for k in turns:
+            own = conv.train[k]
+            if own if own is not None else (self.ds.train_turns == "all" or k == last):
+                out.append(k)
+        return out
+
+    def _template_messages(self, conv: Conversation) -> tuple[list[dict[str, Any]], list[int], list | None, list[str]]:
+        """``(messages for the template, index of each message there, tools for the template, counters)``:
+        data strings escaped, and what the template does not render put where it can show it."""
+        esc, caps = self.control, self.caps
+        out: list[dict[str, Any]] = []
+        index: list[int] = []
+        counters: list[str] = []
+        for m in conv.messages:
+            m = esc.escape_all(m)
+            role = m["role"]
+            if role == "assistant":
+                t = {"role": "assistant", "content": m["content"]}
+                if "reasoning" in m:
+                    if caps.reasoning_key:
+                        t[caps.reasoning_key] = m["reasoning"]
+                    else:
+                        t["content"] = THINK_TEXT.format(reasoning=m["reasoning"]) + t["content"]
+                        counters.append("chat_reasoning_inlined")
+                if "tool_calls" in m:
+                    if caps.tool_calls:
+                        t["tool_calls"] = m["tool_calls"]
+                    else:
+                        calls = "\n".join(TOOL_CALL_TEXT.format(call=json.dumps(
+                            {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}, ensure_ascii=False))
+                            for c in m["tool_calls"])
+                        t["content"] = f"{t['content']}\n{calls}" if t["content"] else calls
+                        counters.append("chat_tool_calls_inlined")
+                if "name" in m:
+                    t["name"] = m["name"]
+                index.append(len(out))
+                out.append(t)
+            elif role == "tool" and not caps.tool_role:
+                text = TOOL_RESPONSE_TEXT.format(content=m["content"])
+                counters.append("chat_tool_results_as_user")
+                if out and out[-1].get("_tool_results"):
+                    out[-1]["content"] += "\n" + text
+                else:
+                    out.append({"role": "user", "content": text, "_tool_results": True})
+                index.append(len(out) - 1)
+            else:
+                index.append(len(out))
+                out.append(dict(m))
+        for t in out:
+            t.pop("_tool_results", None)
+        tools = esc.escape_all(list(conv.tools)) if conv.tools else None
+        if tools is not None:
+            if caps.tools:
+                counters.append("tools_rendered_by_template")
+            else:
+                block = tools_system_text(tools)
+                if out[0]["role"] == "system":
+                    out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{block}"}
+                else:
+                    out.insert(0, {"role": "system", "content": block})
+                    index = [i + 1 for i in index]
+                tools = None
+                counters.append("tools_in_system_turn")
+        return out, index, tools, counters
+
+    def _locate(self, msgs: list[dict[str, Any]], i: int, tools: list | None, full: str,
+                message: dict[str, Any]) -> _Turn | None:
+        """Where template message ``i`` (an assistant turn) trains in ``full``; None where the conversation
+        renders it otherwise than its generation would (see the module docstring, rule 3)."""
+        prompt = self._render(msgs[:i], tools, generation_prompt=True)
+        alone = self._render(msgs[: i + 1], tools)
+        if not alone.startswith(prompt):
+            raise RecordError(f"assistant turn {i}: the chat template renders the turn's own conversation without "
+                              "the generation prompt it renders for it, so its labels cannot be located")
+        if not full.startswith(prompt):
+            return None
+        start, generated = len(prompt), alone[len(prompt):]
+        same = _common_prefix(full, start, generated)
+        end = start + len(full[start : start + same].rstrip())
+        rest = generated[end - start :]
+        if self.control.pattern.sub("", rest).strip():
+            return None  # the turn's own text differs inside the conversation
+        if self.control.pattern.match(rest.lstrip()):  # the turn ends in a control token: its end marker
+            marker = re.compile(r"\s*(" + self.control.pattern.pattern + ")").match(full, end)
+            if marker and marker.group(1) in self.caps.end_markers:
+                end = marker.end()
+        turn = _Turn(i, start, end)
+        for key, flag in (("reasoning", self.ds.train_reasoning), ("tool_calls", self.ds.train_tool_calls)):
+            if not flag and message.get(key):
+                turn.untrained.append(self._region_of(msgs, i, tools, prompt, generated, key))
+        return turn if end > start else None
+
+    def _region_of(self, msgs: list[dict[str, Any]], i: int, tools: list | None, prompt: str, generated: str,
+                   key: str) -> tuple[int, int]:
+        """Where turn ``i``'s reasoning or tool calls lie in ``full`` coordinates: the part of its generated
+        text that changes when the template renders the turn without them."""
+        turn = dict(msgs[i])
+        if key == "reasoning":
+            for k in (self.caps.reasoning_key or "",):
+                turn.pop(k, None)
+            if not self.caps.reasoning_key:  # inlined: drop the <think> block from the content
+                turn["content"] = turn["content"].split("</think>\n\n", 1)[-1]
+        else:
+            turn.pop("tool_calls", None)
+            if not self.caps.tool_calls:
+                turn["content"] = turn["content"].split("<tool_call>\n", 1)[0].rstrip("\n")
+        other = self._render([*msgs[:i], turn], tools)[len(prompt):]
+        head = _common_prefix(generated, 0, other)
+        tail = 0
+        while tail < min(len(generated), len(other)) - head and generated[-1 - tail] == other[-1 - tail]:
+            tail += 1
+        return len(prompt) + head, len(prompt) + len(generated) - tail
+
+    # -- pieces ------------------------------------------------------------------------------
+    def _pieces(self, full: str, trained: list[tuple[int, int]], counters: list[str]) -> Pieces:
+        """``full`` cut at control tokens and at the ends of the trained spans, each piece trained or not."""
+        cuts = sorted({p for span in trained for p in span} | {len(full)})
+        texts: list[str] = []
+        control: list[int] = []
+        flags: list[bool] = []
+        spans = iter(sorted(trained))
+        span = next(spans, None)
+
+        def add(start: int, end: int, cid: int) -> None:
+            nonlocal span
+            while span is not None and span[1] <= start:
+                span = next(spans, None)
+            texts.append(full[start:end])
+            control.append(cid)
+            flags.append(span is not None and span[0] <= start)
+
+        pos = 0
+        marks = [(m.start(), m.end()) for m in self.control.pattern.finditer(full)]
+        for cstart, cend in [*marks, (len(full), len(full))]:
+            for cut in [c for c in cuts if pos < c < cstart] + [cstart]:
+                if cut > pos:
+                    add(pos, cut, -1)
+                pos = cut
+            if cend > cstart:
+                add(cstart, cend, self.control.ids[full[cstart:cend]])
+                pos = cend
+        return self._finish(texts, control, flags, counters)
+
+    def _finish(self, texts: list[str], control: list[int], flags: list[bool], counters: list[str]) -> Pieces:
+        """Data strings back from their escapes; whitespace that an lstrip/rstrip control token takes, gone."""
+        esc = self.control
+        for j, cid in enumerate(control):
+            if cid >= 0:
+                continue
+            text = esc.unescape(texts[j])
+            if j > 0 and control[j - 1] >= 0 and texts[j - 1] in esc.rstrip:
+                text = text.lstrip()
+            if j + 1 < len(texts) and control[j + 1] >= 0 and texts[j + 1] in esc.lstrip:
+                text = text.rstrip()
+            texts[j] = text
+        keep = [j for j, t in enumerate(texts) if t]
+        return Pieces(tuple(texts[j] for j in keep), tuple(control[j] for j in keep), tuple(flags[j] for j in keep),
+                      tuple(counters))
+
+
+def _has_output(m: dict[str, Any]) -> bool:
+    """Whether an assistant message has anything to train: content, a call or reasoning (whitespace is not)."""
+    return bool(m["content"].strip() or m.get("tool_calls") or m.get("reasoning", "").strip())
+
+
+def _common_prefix(a: str, start: int, b: str) -> int:
+    """How many characters of ``b`` equal ``a`` from ``start`` on."""
+    n = min(len(b), len(a) - start)
+    if a.startswith(b[:n], start):
+        return n
+    lo, hi = 0, n  # a[start:start+lo] == b[:lo]; not so for hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a.startswith(b[:mid], start):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _subtract(span: tuple[int, int], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``span`` minus ``holes``: ``(0, 10) - [(2, 4)]`` -> ``[(0, 2), (4, 10)]``."""
+    out, pos = [], span[0]
+    for s, e in sorted(holes):
+        if s > pos:
+            out.append((pos, min(s, span[1])))
+        pos = max(pos, e)
+    if pos < span[1]:
+        out.append((pos, span[1]))
+    return [(s, e) for s, e in out if e > s]

@@ -1,0 +1,9 @@
+"""Errors that several stages raise, on the ground floor so that no stage imports another for one class."""
+
+from __future__ import annotations
+
+__all__ = ["RecordError"]
+
+
+class RecordError(ValueError):
+    """A record that cannot be formatted; the message says why (the caller adds where)."""
