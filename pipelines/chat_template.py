@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import TemplateError
@@ -140,17 +140,17 @@ class Capabilities:
     tool_calls: bool
     tool_role: bool
     reasoning_key: str | None
-    end_markers: frozenset[str]
+    end_markers: frozenset[str]  # control tokens that end a turn (the EOS token, and what ends probe turns)
+    header: str  # what add_generation_prompt appends, e.g. "<|im_start|>assistant\n" ("" for Mistral)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Turn:
-    """One assistant turn being located: its message index and where its trained text lies."""
+    """Where an assistant turn's trained text lies in the rendering, and whether exactly as generated."""
 
-    index: int
-    start: int = 0
-    end: int = 0
-    untrained: list[tuple[int, int]] = field(default_factory=list)  # reasoning / calls left out of the labels
+    start: int
+    end: int
+    exact: bool
 
 
 class ChatTemplateFormat:
@@ -167,11 +167,13 @@ class ChatTemplateFormat:
         self.control = ControlTokens(tokenizer)
         self.generation_markers = bool(GENERATION_BLOCK.search(tokenizer.chat_template))
         self.caps = self._probe()
-        user = [{"role": "user", "content": "Hi"}]
-        if not self.generation_markers and self._try(user) == self._render(user, None, generation_prompt=True):
-            raise RecordError(f"the chat template of {getattr(tokenizer, 'name_or_path', '?')!r} adds no generation "
-                              "prompt (add_generation_prompt) and has no {% generation %} markers, so an assistant "
-                              "turn's header cannot be told from its answer")
+        self._end_marker = re.compile(r"\s*(?:" + "|".join(map(re.escape, sorted(self.caps.end_markers, key=len,
+                                                                                 reverse=True))) + ")")
+        if not self.generation_markers and self._header_trains():
+            raise RecordError(f"the chat template of {getattr(tokenizer, 'name_or_path', '?')!r} renders the "
+                              "assistant's role header with the answer, not in its generation prompt "
+                              "(add_generation_prompt), and has no {% generation %} markers, so the header cannot "
+                              "be told from the answer")
 
     # -- the template -----------------------------------------------------------------------
     def _render(self, msgs: list[dict[str, Any]], tools: list | None, generation_prompt: bool = False) -> str:
@@ -213,14 +215,31 @@ class ChatTemplateFormat:
                     if "zqprobereason" in self._try([*user, {"role": "assistant", "content": "ok", k: "zqprobereason"}])),
                    None)
         ends = {self.tok.eos_token} if getattr(self.tok, "eos_token", None) else set()
-        for probe in (user, [*user, {"role": "assistant", "content": "ok"}]):
+        for probe in (user, [*user, {"role": "assistant", "content": "ok"}], [*user, call] if tool_calls else user):
             tail = self._try(probe).rstrip()
             last = None
             for m in self.control.pattern.finditer(tail):
                 last = m
             if last is not None and last.end() == len(tail):
                 ends.add(last.group())
-        return Capabilities(tools, tool_calls, tool_role, key, frozenset(ends))
+        header = self._try(user)
+        header = self._render(user, None, generation_prompt=True)[len(header):] if header else ""
+        return Capabilities(tools, tool_calls, tool_role, key, frozenset(ends or {"(?!)"}), header)
+
+    def _header_trains(self) -> bool:
+        """Whether a template that adds no generation prompt renders text between a probe's prompt and its
+        answer (ChatML without ``add_generation_prompt``: ``<|im_start|>assistant\n``). Mistral adds none
+        and its answer follows ``[/INST]`` directly; gpt-oss adds ``<|start|>assistant``, and the channel
+        after it is the model's to generate."""
+        if self.caps.header:
+            return False
+        user = [{"role": "user", "content": "Hi"}]
+        prompt = self._render(user, None, generation_prompt=True)
+        turn = self._try([*user, {"role": "assistant", "content": "zqprobeanswer"}])
+        if not turn.startswith(prompt) or "zqprobeanswer" not in turn:
+            return False
+        between = turn[len(prompt) : turn.index("zqprobeanswer")]
+        return bool(self.control.pattern.sub("", between).strip())
 
     # -- one record ---------------------------------------------------------------------------
     def __call__(self, rec: dict[str, Any]) -> Pieces:
@@ -233,20 +252,28 @@ class ChatTemplateFormat:
         marked = self._generation_spans(msgs, tools) if self.generation_markers else None
         chosen = self._trained_turns(conv)
         for k in chosen:
-            turn = self._locate(msgs, index[k], tools, full, conv.messages[k])
             m = conv.messages[k]
-            n_calls, has_reasoning = len(m.get("tool_calls", ())), bool(m.get("reasoning", "").strip())
-            if turn is None:
-                counters += ["chat_turns_untrained_context"] + ["chat_tool_calls_untrained"] * n_calls
-                counters += ["chat_reasoning_untrained"] * has_reasoning
+            n_calls = len(m.get("tool_calls", ()))
+            turn = self._locate(msgs, index[k], tools, full)
+            if turn is None:  # nothing of it in the rendering
+                counters += ["chat_turns_not_rendered"] + ["chat_tool_calls_not_rendered"] * n_calls
                 continue
             counters.append("chat_turns_trained")
-            counters += [f"chat_tool_calls_{'trained' if self.ds.train_tool_calls else 'untrained'}"] * n_calls
-            counters += [f"chat_reasoning_{'trained' if self.ds.train_reasoning else 'untrained'}"] * has_reasoning
+            if not turn.exact:
+                counters.append("chat_turns_context_differs")
+            missing = self._missing(m, full[turn.start : turn.end])
+            counters += missing
+            if "chat_tool_calls_not_rendered" not in missing:
+                counters += [f"chat_tool_calls_{'trained' if self.ds.train_tool_calls else 'untrained'}"] * n_calls
+            if m.get("reasoning", "").strip() and "chat_reasoning_not_rendered" not in missing:
+                counters.append(f"chat_reasoning_{'trained' if self.ds.train_reasoning else 'untrained'}")
+            untrained = [self._region_of(msgs, index[k], tools, full, key)
+                         for key, flag in (("reasoning", self.ds.train_reasoning), ("tool_calls", self.ds.train_tool_calls))
+                         if not flag and m.get(key)]
             spans = [(turn.start, turn.end)]
             if marked is not None:  # the template says what trains: its generation blocks inside the turn
                 spans = [(max(s, turn.start), min(e, turn.end)) for s, e in marked if s < turn.end and e > turn.start]
-            trained += [piece for span in spans for piece in _subtract(span, turn.untrained)]
+            trained += [piece for span in spans for piece in _subtract(span, untrained)]
         for k, m in enumerate(conv.messages):  # turns the record or train_turns leave out
             if m["role"] == "assistant" and k not in chosen and _has_output(m):
                 counters += ["chat_turns_untrained"] + ["chat_tool_calls_untrained"] * len(m.get("tool_calls", ()))
@@ -322,53 +349,84 @@ class ChatTemplateFormat:
                 counters.append("tools_in_system_turn")
         return out, index, tools, counters
 
-    def _locate(self, msgs: list[dict[str, Any]], i: int, tools: list | None, full: str,
-                message: dict[str, Any]) -> _Turn | None:
-        """Where template message ``i`` (an assistant turn) trains in ``full``; None where the conversation
-        renders it otherwise than its generation would (see the module docstring, rule 3)."""
+    def _locate(self, msgs: list[dict[str, Any]], i: int, tools: list | None, full: str) -> _Turn | None:
+        """Where template message ``i`` (an assistant turn) trains in ``full`` (see the module docstring,
+        rule 3): exactly as generated after its generation prompt where the conversation renders it so,
+        else as the conversation renders it (:meth:`_in_context`); None where it renders nothing of it."""
         prompt = self._render(msgs[:i], tools, generation_prompt=True)
         alone = self._render(msgs[: i + 1], tools)
-        if not alone.startswith(prompt):
-            raise RecordError(f"assistant turn {i}: the chat template renders the turn's own conversation without "
-                              "the generation prompt it renders for it, so its labels cannot be located")
-        if not full.startswith(prompt):
-            return None
-        start, generated = len(prompt), alone[len(prompt):]
-        same = _common_prefix(full, start, generated)
-        end = start + len(full[start : start + same].rstrip())
-        rest = generated[end - start :]
-        if self.control.pattern.sub("", rest).strip():
-            return None  # the turn's own text differs inside the conversation
-        if self.control.pattern.match(rest.lstrip()):  # the turn ends in a control token: its end marker
-            marker = re.compile(r"\s*(" + self.control.pattern.pattern + ")").match(full, end)
-            if marker and marker.group(1) in self.caps.end_markers:
-                end = marker.end()
-        turn = _Turn(i, start, end)
-        for key, flag in (("reasoning", self.ds.train_reasoning), ("tool_calls", self.ds.train_tool_calls)):
-            if not flag and message.get(key):
-                turn.untrained.append(self._region_of(msgs, i, tools, prompt, generated, key))
-        return turn if end > start else None
+        if alone.startswith(prompt) and full.startswith(prompt):
+            start, generated = len(prompt), alone[len(prompt):]
+            same = _common_prefix(full, start, generated)
+            end = start + len(full[start : start + same].rstrip())
+            rest = generated[end - start :]
+            if not self.control.pattern.sub("", rest).strip():  # only the end marker or whitespace differs
+                marker = self._end_marker.match(full, end)
+                if marker and self.control.pattern.match(rest.lstrip()):
+                    end = marker.end()
+                return _Turn(start, end, exact=True) if end > start else None
+        return self._in_context(msgs, i, tools, full)
 
-    def _region_of(self, msgs: list[dict[str, Any]], i: int, tools: list | None, prompt: str, generated: str,
-                   key: str) -> tuple[int, int]:
-        """Where turn ``i``'s reasoning or tool calls lie in ``full`` coordinates: the part of its generated
-        text that changes when the template renders the turn without them."""
+    def _in_context(self, msgs: list[dict[str, Any]], i: int, tools: list | None, full: str) -> _Turn | None:
+        """Turn ``i`` as the whole conversation renders it: the text that changes when the turn's content,
+        reasoning and call arguments change, widened back to the generation header before it and on to the
+        end marker after it. Example (Qwen3, an earlier turn whose reasoning the template drops): the
+        content differs, the header is ``<|im_start|>assistant\n``, the end ``<|im_end|>``."""
+        altered = list(msgs)
+        altered[i] = _altered(msgs[i], self.caps.reasoning_key)
+        other = self._render(altered, tools)
+        head = _common_prefix(full, 0, other)
+        tail = 0
+        while tail < min(len(full), len(other)) - head and full[-1 - tail] == other[-1 - tail]:
+            tail += 1
+        lo, hi = head, len(full) - tail
+        if hi <= lo:
+            return None
+        header = self.caps.header
+        if header:
+            at = full.rfind(header, 0, lo)
+            start = at + len(header) if at >= 0 else -1
+        else:  # no header (Mistral: the answer follows [/INST]): after the end marker of the turn before it
+            start = max((m.end() for m in self.control.pattern.finditer(full, 0, lo) if m.group() in self.caps.end_markers),
+                        default=-1)
+        marker = next((m for m in self.control.pattern.finditer(full, hi) if m.group() in self.caps.end_markers), None)
+        if start < 0 or marker is None:
+            return None
+        return _Turn(start, marker.end(), exact=False)
+
+    def _missing(self, m: dict[str, Any], text: str) -> list[str]:
+        """Counters for what of message ``m`` its rendered turn ``text`` lacks (a template that drops a turn's
+        content next to its calls, or its reasoning, or ignores a call)."""
+        esc = self.control.escape
+        out = []
+        if m["content"].strip() and esc(m["content"].strip()) not in text:
+            out.append("chat_content_not_rendered")
+        if m.get("reasoning", "").strip() and esc(m["reasoning"].strip()) not in text:
+            out.append("chat_reasoning_not_rendered")
+        calls = m.get("tool_calls", ())
+        if any(esc(c["function"]["name"]) not in text for c in calls):
+            out += ["chat_tool_calls_not_rendered"] * len(calls)
+        return out
+
+    def _region_of(self, msgs: list[dict[str, Any]], i: int, tools: list | None, full: str, key: str) -> tuple[int, int]:
+        """Where turn ``i``'s reasoning or tool calls lie in ``full``: the text that changes when the template
+        renders the conversation without them."""
         turn = dict(msgs[i])
         if key == "reasoning":
-            for k in (self.caps.reasoning_key or "",):
-                turn.pop(k, None)
-            if not self.caps.reasoning_key:  # inlined: drop the <think> block from the content
+            if self.caps.reasoning_key:
+                turn.pop(self.caps.reasoning_key, None)
+            else:  # inlined: drop the <think> block from the content
                 turn["content"] = turn["content"].split("</think>\n\n", 1)[-1]
         else:
             turn.pop("tool_calls", None)
             if not self.caps.tool_calls:
                 turn["content"] = turn["content"].split("<tool_call>\n", 1)[0].rstrip("\n")
-        other = self._render([*msgs[:i], turn], tools)[len(prompt):]
-        head = _common_prefix(generated, 0, other)
+        other = self._render([*msgs[:i], turn, *msgs[i + 1 :]], tools)
+        head = _common_prefix(full, 0, other)
         tail = 0
-        while tail < min(len(generated), len(other)) - head and generated[-1 - tail] == other[-1 - tail]:
+        while tail < min(len(full), len(other)) - head and full[-1 - tail] == other[-1 - tail]:
             tail += 1
-        return len(prompt) + head, len(prompt) + len(generated) - tail
+        return head, len(full) - tail
 
     # -- pieces ------------------------------------------------------------------------------
     def _pieces(self, full: str, trained: list[tuple[int, int]], counters: list[str]) -> Pieces:
@@ -415,6 +473,18 @@ class ChatTemplateFormat:
         keep = [j for j, t in enumerate(texts) if t]
         return Pieces(tuple(texts[j] for j in keep), tuple(control[j] for j in keep), tuple(flags[j] for j in keep),
                       tuple(counters))
+
+
+def _altered(t: dict[str, Any], reasoning_key: str | None) -> dict[str, Any]:
+    """Template message ``t`` with other data of the same shape: content, reasoning and call arguments."""
+    t = dict(t)
+    if t.get("content"):
+        t["content"] = "zqaltcontent"
+    if reasoning_key and t.get(reasoning_key):
+        t[reasoning_key] = "zqaltreasoning"
+    if t.get("tool_calls"):
+        t["tool_calls"] = [{**c, "function": {**c["function"], "arguments": {"zqalt": 1}}} for c in t["tool_calls"]]
+    return t
 
 
 def _has_output(m: dict[str, Any]) -> bool:

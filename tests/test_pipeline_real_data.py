@@ -123,6 +123,19 @@ def test_lima_history_turns_and_truncation_counted(ray_local):
     assert straddled == counters.get("label_span_straddles", 0) < len(records) / 100
 
 
+def _glaive_expected(conv: list[dict]) -> str:
+    """What SmolLM2's ChatML template trains of a Glaive conversation: every gpt answer, and every
+    function_call as the Hermes ``<tool_call>`` block (the template renders no ``tool_calls`` itself)."""
+    out = []
+    for t in conv:
+        if t["from"] == "gpt" and t["value"].strip():
+            out.append(t["value"] + "<|im_end|>")
+        elif t["from"] == "function_call":
+            call = json.loads(t["value"])
+            out.append(f"<tool_call>\n{json.dumps(call, ensure_ascii=False)}\n</tool_call><|im_end|>")
+    return "".join(out)
+
+
 def test_sharegpt_chat_template_assistant_turns_exactly(ray_local):
     records = json.loads(GLAIVE.read_text())
     cfg = make_config([{"path": str(GLAIVE), "type": "chat_template"}], tokenizer=SMOLLM2, sequence_len=2048)
@@ -130,28 +143,40 @@ def test_sharegpt_chat_template_assistant_turns_exactly(ray_local):
     rows = ds.take_all()
     _check_rows(rows, 2048)
     tok = _tokenizer(SMOLLM2)
-    role_map = cfg.data.datasets[0].role_map
     seen = Counter()
     for row in rows:
         for sid, ids, labels in _pieces(row):
             conv = records[split_sample_id(sid)[1]]["conversations"]
             seen[sid] += 1
-            expected = "".join(t["value"] + "<|im_end|>" for t in conv
-                               if role_map[t["from"]] == "assistant" and t["value"].strip())
-            assert _trained_text(tok, labels) == expected
             text = tok.decode(ids)
+            if text.endswith("<|im_end|>\n"):
+                assert _trained_text(tok, labels) == _glaive_expected(conv)
+            else:  # cut at sequence_len: what trained is the start of it
+                assert _glaive_expected(conv).startswith(_trained_text(tok, labels))
             assert text.startswith("<|im_start|>system\n")
             # SmolLM2's template ignores tools=: their schemas are in a system turn, every one of them.
             tools = json.loads(records[split_sample_id(sid)[1]].get("tools") or "[]")
-            assert all(json.dumps(t, ensure_ascii=False) in text for t in tools) and ("<tools>" in text) == bool(tools)
+            wrapped = [json.dumps({"type": "function", "function": t}, ensure_ascii=False) for t in tools]
+            assert all(w in text for w in wrapped) and ("<tools>" in text) == bool(tools)
+            for t in conv:  # every tool result is in the row, as a tool turn
+                if t["from"] == "observation" and len(ids) < 2048:
+                    assert f"<|im_start|>tool\n{t['value']}<|im_end|>" in text
     # One conversation (row 243, 11,622 tokens) has no assistant token in its first 2048: it is
     # dropped and reported with its location, never trained on as prompt-only.
     report = data_report(ds)
-    dropped = report["counters"]["dropped_no_trained_after_truncation"]
+    counters = report["counters"]
+    dropped = counters["dropped_no_trained_after_truncation"]
     assert dropped == 1 and f"{GLAIVE} row 243" in report["examples"]["dropped_no_trained_after_truncation"][0]
     assert len(seen) == len(records) - dropped and set(seen.values()) == {1}
     with_tools = sum(1 for r in records if json.loads(r.get("tools") or "[]"))
-    assert 0 < report["counters"]["tools_in_system_turn"] == with_tools < len(records)
+    assert 0 < counters["tools_in_system_turn"] == with_tools < len(records)
+    # Every call and every answer is accounted for: trained (all of them here), and the samples cut short.
+    calls = sum(t["from"] == "function_call" for r in records for t in r["conversations"])
+    answers = sum(t["from"] == "gpt" and bool(t["value"].strip()) for r in records for t in r["conversations"])
+    assert counters["chat_tool_calls_trained"] == calls == 211 and "chat_tool_calls_untrained" not in counters
+    assert counters["chat_turns_trained"] == answers + calls
+    assert counters["chat_tool_calls_inlined"] == calls  # per turn with calls: each function_call is a turn here
+    assert counters["truncated_samples"] >= dropped
 
 
 def _doc_tokens(tok, texts: list[str]) -> list[list[int]]:
