@@ -186,7 +186,7 @@ def test_content_the_template_rewrites_trains_as_rendered(tmp_path, tokenizers):
 
 
 def test_a_template_without_generation_prompt_or_markers_is_refused(tmp_path, tokenizers):
-    with pytest.raises(RecordError, match=r"no_prompt.*adds no generation prompt.*header cannot be told"):
+    with pytest.raises(RecordError, match=r"no_prompt.*role header with the answer.*header cannot be told"):
         _tokenize(tmp_path, tokenizers["no_prompt"], [_conv("Hi")])
 
 
