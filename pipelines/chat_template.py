@@ -87,6 +87,10 @@ class Pieces:
     control: tuple[int, ...]
     trained: tuple[bool, ...]
     counters: tuple[str, ...] = ()
+    # Runs ``[a, b)`` of adjacent text pieces cut apart before the last trained turn: the tokenizer stage
+    # checks that each run's pieces encode to what the run encodes to whole, since a later turn's prompt
+    # holds the run whole (GPT-2's regex makes a trailing "\n\n" one token, and "\n", "\n" before a word).
+    checks: tuple[tuple[int, int], ...] = ()
 
     @property
     def text(self) -> str:
@@ -246,6 +250,7 @@ class ChatTemplateFormat:
         conv = parse_conversation(rec, self.ds)
         msgs, index, tools, counters = self._template_messages(conv)
         full = self._render(msgs, tools)
+        counters += self._dropped(conv, full)
         if self.all_trained:
             return self._pieces(full, [(0, len(full))], counters)
         trained: list[tuple[int, int]] = []
@@ -260,7 +265,7 @@ class ChatTemplateFormat:
                 continue
             counters.append("chat_turns_trained")
             if not turn.exact:
-                counters.append("chat_turns_context_differs")
+                counters.append("chat_turns_differ_from_generation")
             missing = self._missing(m, full[turn.start : turn.end])
             counters += missing
             if "chat_tool_calls_not_rendered" not in missing:
@@ -358,6 +363,9 @@ class ChatTemplateFormat:
         if alone.startswith(prompt) and full.startswith(prompt):
             start, generated = len(prompt), alone[len(prompt):]
             same = _common_prefix(full, start, generated)
+            inside = next((m for m in self.control.pattern.finditer(generated) if m.start() < same < m.end()), None)
+            if inside is not None:  # <|end|> and <|return|> share "<|": no cut inside a control token
+                same = inside.start()
             end = start + len(full[start : start + same].rstrip())
             rest = generated[end - start :]
             if not self.control.pattern.sub("", rest).strip():  # only the end marker or whitespace differs
@@ -406,6 +414,19 @@ class ChatTemplateFormat:
         calls = m.get("tool_calls", ())
         if any(esc(c["function"]["name"]) not in text for c in calls):
             out += ["chat_tool_calls_not_rendered"] * len(calls)
+        return out
+
+    def _dropped(self, conv: Conversation, full: str) -> list[str]:
+        """Counters for system, user and tool messages whose content the rendering lacks (Mistral's template
+        renders the system prompt only inside the last user turn, so never in a conversation that ends with an
+        answer); a content the template JSON-quotes (Llama 3.1's tool results) counts as there."""
+        out = []
+        for m in conv.messages:
+            text = m["content"].strip()
+            if m["role"] != "assistant" and text:
+                text = self.control.escape(text)
+                if text not in full and json.dumps(text, ensure_ascii=False)[1:-1] not in full:
+                    out.append(f"chat_{m['role']}_not_rendered")
         return out
 
     def _region_of(self, msgs: list[dict[str, Any]], i: int, tools: list | None, full: str, key: str) -> tuple[int, int]:
@@ -471,8 +492,17 @@ class ChatTemplateFormat:
                 text = text.rstrip()
             texts[j] = text
         keep = [j for j, t in enumerate(texts) if t]
-        return Pieces(tuple(texts[j] for j in keep), tuple(control[j] for j in keep), tuple(flags[j] for j in keep),
-                      tuple(counters))
+        texts, control, flags = [texts[j] for j in keep], [control[j] for j in keep], [flags[j] for j in keep]
+        last = max((j for j, f in enumerate(flags) if f and (j == 0 or not flags[j - 1])), default=0)
+        checks, a = [], None
+        for j in range(last + 1):
+            if j < last and control[j] < 0:
+                a = j if a is None else a
+                continue
+            if a is not None and j - a >= 2:
+                checks.append((a, j))
+            a = None
+        return Pieces(tuple(texts), tuple(control), tuple(flags), tuple(counters), tuple(checks))
 
 
 def _altered(t: dict[str, Any], reasoning_key: str | None) -> dict[str, Any]:

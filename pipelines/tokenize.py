@@ -116,6 +116,7 @@ class Encoded:
     labels: np.ndarray
     straddles: int
     trained: bool
+    retokenized: int = 0  # chat: runs cut at a generation point that a later prompt tokenizes otherwise
 
 
 @dataclass
@@ -245,7 +246,7 @@ class Tokenizer:
                 calls.append((flag, idx, self._encoder().submit(self._encode, texts, flag)))
         idx = [i for i in range(start, len(blk.formatted)) if isinstance(blk.formatted[i], Pieces)]
         if idx:
-            texts = [t for i in idx for t, c in zip(blk.formatted[i].texts, blk.formatted[i].control, strict=True) if c < 0]
+            texts = [t for i in idx for t in _piece_texts(blk.formatted[i])]
             calls.append((None, idx, self._encoder().submit(self._encode_plain, texts)))
         return calls
 
@@ -383,6 +384,8 @@ class Tokenizer:
             sample = blk.encoded[i]
             if sample.straddles:
                 counts.add("label_span_straddles", sample.straddles, self.table.where(sids[i]))
+            if sample.retokenized:
+                counts.add("chat_prompt_retokenized", sample.retokenized, self.table.where(sids[i]))
             if not sample.trained:
                 self._bad(sids[i], "no trained tokens (nothing to learn from this sample)", counts, "skipped_no_trained_tokens")
                 continue
@@ -394,19 +397,27 @@ class Tokenizer:
         return carry_unit_columns(blk.batch, tokenized_table(sids, all_ids, all_labels))
 
 
+def _piece_texts(p: Pieces) -> Iterator[str]:
+    """What a chat sample sends to be encoded: its text pieces, then each of its checked runs whole."""
+    yield from (t for t, c in zip(p.texts, p.control, strict=True) if c < 0)
+    yield from ("".join(p.texts[a:b]) for a, b in p.checks)
+
+
 def _from_pieces(group: list[Pieces], encs: list[list[int]]) -> list[Encoded]:
-    """Chat samples from their pieces: text pieces' ids (``encs``, in order) and control ids joined, labelled
-    where the piece is trained. Example: pieces ``"\n"`` (untrained), ``<|im_end|>`` (id 2, trained) with
-    ``encs = [[198]]`` -> ids ``[198, 2]``, labels ``[-100, 2]``."""
+    """Chat samples from their pieces: text pieces' ids (``encs``, in :func:`_piece_texts` order) and control
+    ids joined, labelled where the piece is trained. Example: pieces ``"\n"`` (untrained), ``<|im_end|>`` (id 2,
+    trained) with ``encs = [[198]]`` -> ids ``[198, 2]``, labels ``[-100, 2]``. A checked run whose pieces
+    encode otherwise than the run whole counts in ``retokenized``."""
     out = []
     texts = iter(encs)
     for p in group:
         parts = [next(texts) if c < 0 else [c] for c in p.control]
+        retokenized = sum(list(chain.from_iterable(parts[a:b])) != next(texts) for a, b in p.checks)
         lengths = np.fromiter(map(len, parts), np.int64, len(parts))
         ids = np.fromiter(chain.from_iterable(parts), np.int32, int(lengths.sum()))
         mask = np.repeat(np.fromiter(p.trained, bool, len(parts)), lengths)
         labels = np.where(mask, ids, IGNORE_INDEX).astype(np.int32)
-        out.append(Encoded(ids, labels, 0, bool(mask.any())))
+        out.append(Encoded(ids, labels, 0, bool(mask.any()), retokenized))
     return out
 
 
