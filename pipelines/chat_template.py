@@ -16,13 +16,19 @@ as ids. Three rules decide the pieces:
    tokenization, so between cuts the ids are the tokenizer's own.
 3. **A turn trains as it is generated.** Turn ``k``'s trained text is what the template renders for it
    after its generation prompt (``render(turns[:k+1])`` past ``render(turns[:k], add_generation_prompt)``:
-   reasoning, content, tool calls), up to and with its end marker, and only where the whole
-   conversation renders it the same way at the same place. Where it does not (Qwen3 and gpt-oss drop
-   the reasoning of earlier turns; Mistral moves the system prompt into the last user turn), the turn
-   is not trained and is counted (``chat_turns_untrained_context``): training it would teach text the
-   model never generates in that context. The last assistant turn always qualifies. Training such turns
-   too would take a sample per turn (each in its own inference context): the tokens of every earlier
-   turn once more per later turn, quadratic in the turns.
+   reasoning, content, tool calls), up to and with its end marker. Where the whole conversation renders
+   the turn or its prompt otherwise (Qwen3 drops earlier turns' reasoning and their empty think blocks,
+   gpt-oss drops the analysis of calls once a final answer follows, Mistral drops the system prompt from
+   a finished conversation), the turn trains as the conversation renders it, from its generation header
+   to its end marker, and is counted (``chat_turns_differ_from_generation``); what of the turn that
+   rendering lacks is counted too (``chat_reasoning_not_rendered``...). The alternative, a sample per
+   turn in its own inference context, would repeat every earlier turn's tokens once per later turn
+   (quadratic in the turns); ``train_turns: last`` trains only the turn whose context always holds.
+
+A cut changes how a later turn's prompt tokenizes only where the tokenizer splits the text at the cut
+otherwise when more follows (GPT-2's regex: a trailing ``"\\n\\n"`` is one token, but two before a word).
+The tokenizer stage checks each cut before the last trained turn and counts such rows
+(``chat_prompt_retokenized``); the first trained turn's prompt always holds.
 
 Worked example (ChatML, user "Hi", assistant "\\n\\nHello"; ``|`` a cut, ``[..]`` a control token,
 ``^`` trained)::

@@ -22,7 +22,7 @@ from typing import Any
 
 from conftest import SHARED
 
-__all__ = ["FAMILIES", "TEMPLATES", "agent_trace", "control_strings", "family_spec", "family_tokenizer", "template_text"]
+__all__ = ["FAMILIES", "TEMPLATES", "agent_trace", "agent_traces", "control_strings", "family_spec", "family_tokenizer", "template_text"]
 
 TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "chat_templates"
 FAMILIES: tuple[str, ...] = ("qwen2_5", "qwen3", "llama3_1", "mistral", "gemma3", "gpt_oss")
@@ -172,3 +172,35 @@ def agent_trace() -> dict[str, Any]:
             {"role": "assistant", "content": ANSWER, "reasoning_content": REASONING_FINAL},
         ],
     }
+
+
+_CITIES = ("Lisbon", "Oslo", "Nairobi", "Lima", "Osaka", "Cairo", "Quito", "Perth", "Dublin", "Hanoi")
+
+
+def agent_traces(n: int) -> list[dict[str, Any]]:
+    """``n`` agent conversations in the shape of :func:`agent_trace`, deterministic and all different: the
+    city, date and figures vary by index, and every third one makes a third call (a second forecast) before
+    answering, so the set has 2 or 3 calls per conversation (``sum`` of them: ``n * 2 + n // 3`` roughly)."""
+    out = []
+    for i in range(n):
+        city, day = _CITIES[i % len(_CITIES)], f"2025-07-{1 + i % 28:02d}"
+        rain, aqi = (7 * i) % 90, 20 + (11 * i) % 120
+        rec = agent_trace()
+        msgs = rec["messages"]
+        msgs[1]["content"] = f"I'm cycling around {city} on {day} (trip {i}). Will it rain, and is the air clean?"
+        msgs[2]["reasoning_content"] = f"Check the {city} forecast for {day} first, then the air."
+        msgs[2]["tool_calls"][0]["function"]["arguments"] = {"city": city, "date": day, "unit": "celsius"}
+        msgs[3]["content"] = json.dumps({"city": city, "date": day, "precipitation_chance": rain / 100, "high_c": 15 + i % 15})
+        msgs[4]["tool_calls"][0]["function"]["arguments"] = {"city": city}
+        msgs[5]["content"] = json.dumps({"city": city, "aqi": aqi, "category": "good" if aqi < 50 else "moderate"})
+        if i % 3 == 0:  # a third call: the next day's forecast
+            extra = {"role": "assistant", "content": "", "tool_calls": [{
+                "id": f"Nx{i:07d}", "type": "function",
+                "function": {"name": "get_weather_forecast", "arguments": {"city": city, "date": "next day"}}}]}
+            msgs[6:6] = [extra, {"role": "tool", "content": json.dumps({"city": city, "precipitation_chance": 0.5}),
+                                 "tool_call_id": f"Nx{i:07d}", "name": "get_weather_forecast"}]
+        msgs[-1]["reasoning_content"] = f"Rain {rain}% and AQI {aqi} in {city}: answer with both."
+        msgs[-1]["content"] = (f"On {day} in {city} the chance of rain is {rain}% and the air quality index is {aqi} "
+                               f"({'good' if aqi < 50 else 'moderate'}). Trip {i}: {'go' if rain < 50 else 'pack a coat'}.")
+        out.append(rec)
+    return out
