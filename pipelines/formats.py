@@ -11,6 +11,9 @@ Worked example (``alpaca``, ``train_on_inputs: false``)::
     text  = "Below is an instruction ...\\n\\n### Instruction:\\nAdd 2 and 3.\\n\\n### Response:\\n5"
     spans = [(len(text) - 1, len(text))]          # only "5"; EOS is appended after it, trained too
 
+``chat_template`` is the exception: a conversation is rendered by the tokenizer's template and handed on
+as :class:`pipelines.chat_template.Pieces` (text encoded piece by piece, control tokens as ids).
+
 A record that cannot be formatted raises :class:`RecordError` with the reason; the caller adds the
 file and line.
 """

@@ -14,6 +14,11 @@ computing offsets, and the labels come from the tokens' byte lengths, for the wh
 flat arrays (ids, labels and EOS never handled per sample in Python); any other tokenizer uses
 ``encode_batch`` and its offsets.
 
+Chat samples (:class:`pipelines.chat_template.Pieces`) are encoded piece by piece with the tokenizer's
+added tokens switched off (:func:`plain_tokenizer`), the template's control tokens put in as ids, and
+labelled per piece: no offsets and no byte lengths are needed, since every trained span starts and ends at a
+piece boundary.
+
 Worked example (completion, GPT-2): ``"Hello world"`` -> ids ``[15496, 995, 50256]`` (EOS
 appended), labels ``[15496, 995, 50256]``. Labels are not shifted; the model shifts them.
 """
@@ -233,7 +238,7 @@ class Tokenizer:
     def _format_slice(self, blk: _Block, start: int) -> list[tuple[bool | None, list[int], Future]]:
         """Format ``blk``'s records from ``start`` (one ``data.tokenize.batch_size`` slice) and submit their
         texts to the encode thread: one call per ``add_special_tokens`` flag (the flag is per call; what a
-        sample encodes to does not depend on its call)."""
+        sample encodes to does not depend on its call), and one for the chat samples' pieces."""
         end = start + self.data.tokenize.batch_size
         blk.formatted.extend(self._format(sid, rec, blk.counts)
                              for sid, rec in zip(blk.sids[start:end], blk.records[start:end], strict=True))
