@@ -45,12 +45,11 @@ the content (``chat_tool_calls_inlined``), reasoning as a ``<think>`` block befo
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from dataclasses import dataclass
 from typing import Any
-
-from jinja2 import TemplateError
 
 from pipelines.chat_messages import REASONING_KEYS, Conversation, parse_conversation
 from pipelines.config import DataConfig, DatasetConfig
@@ -60,6 +59,8 @@ __all__ = ["ChatTemplateFormat", "ControlTokens", "Pieces", "tools_system_text"]
 
 # The private-use plane (U+F0000 on) stands in for control strings inside data while a template renders.
 MARK_BASE = 0xF0000
+SEGMENT = -2  # Pieces.control of text encoded with the tokenizer's own added tokens
+CHECK_CHARS = 64  # text checked on either side of a cut (Pieces.checks)
 
 # Tool definitions for templates that ignore ``tools=``: the text Qwen2.5 / Hermes templates put in
 # their system turn, one JSON schema per line.
@@ -75,7 +76,13 @@ _PROBE_TOOL = {"type": "function", "function": {"name": "zqprobefn", "descriptio
                                                 "parameters": {"type": "object", "properties": {}}}}
 _PROBE_CALL = {"id": "call00001", "type": "function", "function": {"name": "zqprobefn", "arguments": {}}}
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
-_TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
+
+
+def _template_errors() -> tuple[type[Exception], ...]:
+    """What a failing template raises (jinja2 is imported only where a chat template is used)."""
+    from jinja2 import TemplateError
+
+    return (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
 
 
 def tools_system_text(tools: list | tuple) -> str:
@@ -85,18 +92,19 @@ def tools_system_text(tools: list | tuple) -> str:
 
 @dataclass(frozen=True)
 class Pieces:
-    """A chat sample as the tokenizer stage encodes it: ``texts[i]`` is encoded alone with no added token
-    recognised where ``control[i] == -1``, else it is the control token ``control[i]``; ``trained[i]``
-    says whether its tokens carry labels."""
+    """A chat sample as the tokenizer stage encodes it, piece by piece: ``texts[i]`` is the control token
+    ``control[i]`` where that is >= 0, text encoded with no added token recognised where it is -1, and text
+    encoded with the tokenizer's added tokens (all of them the template's) where it is :data:`SEGMENT`;
+    ``trained[i]`` says whether its tokens carry labels."""
 
     texts: tuple[str, ...]
     control: tuple[int, ...]
     trained: tuple[bool, ...]
     counters: tuple[str, ...] = ()
-    # Runs ``[a, b)`` of adjacent text pieces cut apart before the last trained turn: the tokenizer stage
-    # checks that each run's pieces encode to what the run encodes to whole, since a later turn's prompt
-    # holds the run whole (GPT-2's regex makes a trailing "\n\n" one token, and "\n", "\n" before a word).
-    checks: tuple[tuple[int, int], ...] = ()
+    # Stretches of text between two control tokens, cut before the last trained turn, in their parts: the
+    # tokenizer stage checks that the parts encode to what the stretch encodes to whole, since a later
+    # turn's prompt holds it whole (GPT-2's regex makes a trailing "\n\n" one token, "\n", "\n" before a word).
+    checks: tuple[tuple[str, ...], ...] = ()
 
     @property
     def text(self) -> str:
@@ -119,6 +127,7 @@ class ControlTokens:
         self.mark = {c: chr(MARK_BASE + k) for k, (c, _, _) in enumerate(tokens)}
         self.unmark = {v: c for c, v in self.mark.items()}
         self.marks = re.compile(f"[{chr(MARK_BASE)}-{chr(MARK_BASE + max(len(tokens), 1) - 1)}]")
+        self.json_safe = not any(ch in c for c, _, _ in tokens for ch in '"\\\n\t\r\b\f')
         self.lstrip = {c for c, _, t in tokens if t.lstrip}
         self.rstrip = {c for c, _, t in tokens if t.rstrip}
 
@@ -129,13 +138,23 @@ class ControlTokens:
         return self.pattern.sub(lambda m: self.mark[m.group()], s) if self.pattern.search(s) else s
 
     def escape_all(self, value: Any) -> Any:
-        """``value`` with every string in it (dict keys too) escaped."""
+        """``value`` with every string in it (dict keys too) escaped; ``value`` itself where none needs it
+        (told from its JSON text, one C call, unless a control string holds a character JSON escapes)."""
+        if isinstance(value, str):
+            return self.escape(value)
+        if self.json_safe:
+            text = json.dumps(value, ensure_ascii=False)
+            if not self.pattern.search(text) and not self.marks.search(text):
+                return value
+        return self._escape_walk(value)
+
+    def _escape_walk(self, value: Any) -> Any:
         if isinstance(value, str):
             return self.escape(value)
         if isinstance(value, list | tuple):
-            return [self.escape_all(v) for v in value]
+            return [self._escape_walk(v) for v in value]
         if isinstance(value, dict):
-            return {self.escape_all(k): self.escape_all(v) for k, v in value.items()}
+            return {self._escape_walk(k): self._escape_walk(v) for k, v in value.items()}
         return value
 
     def unescape(self, s: str) -> str:
@@ -173,7 +192,12 @@ class ChatTemplateFormat:
                 f"{getattr(tokenizer, 'name_or_path', '?')!r} has no chat template"
             )
         self.ds, self.tok, self.all_trained = ds, tokenizer, data.train_on_inputs
-        self.kwargs = dict(ds.chat_template_kwargs)
+        # What apply_chat_template hands the template: the special tokens and the dataset's own variables
+        # (rendering through it directly costs a third more per call).
+        self.template_vars = {**tokenizer.special_tokens_map, **ds.chat_template_kwargs}
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        self._render_jinja, self._errors = render_jinja_template, _template_errors()
         self.control = ControlTokens(tokenizer)
         self.generation_markers = bool(GENERATION_BLOCK.search(tokenizer.chat_template))
         self.caps = self._probe()
@@ -190,20 +214,18 @@ class ChatTemplateFormat:
         if not msgs:
             return ""
         try:
-            return self.tok.apply_chat_template(msgs, tools=tools, tokenize=False,
-                                                add_generation_prompt=generation_prompt, **self.kwargs)
-        except _TEMPLATE_ERRORS as err:
+            rendered, _ = self._render_jinja(conversations=[msgs], tools=tools, chat_template=self.tok.chat_template,
+                                                add_generation_prompt=generation_prompt, **self.template_vars)
+            return rendered[0]
+        except self._errors as err:
             raise RecordError(f"the chat template failed: {type(err).__name__}: {err}") from None
 
     def _generation_spans(self, msgs: list[dict[str, Any]], tools: list | None) -> list[tuple[int, int]]:
         """The ``{% generation %}`` blocks of the rendered conversation, as transformers finds them."""
-        from transformers.utils.chat_template_utils import render_jinja_template
-
         try:
-            _, spans = render_jinja_template(conversations=[msgs], tools=tools, chat_template=self.tok.chat_template,
-                                             return_assistant_tokens_mask=True,
-                                             **{**self.tok.special_tokens_map, **self.kwargs})
-        except _TEMPLATE_ERRORS as err:
+            _, spans = self._render_jinja(conversations=[msgs], tools=tools, chat_template=self.tok.chat_template,
+                                             return_assistant_tokens_mask=True, **self.template_vars)
+        except self._errors as err:
             raise RecordError(f"the chat template failed: {type(err).__name__}: {err}") from None
         return [tuple(span) for span in spans[0]]
 
@@ -365,7 +387,7 @@ class ChatTemplateFormat:
         rule 3): exactly as generated after its generation prompt where the conversation renders it so,
         else as the conversation renders it (:meth:`_in_context`); None where it renders nothing of it."""
         prompt = self._render(msgs[:i], tools, generation_prompt=True)
-        alone = self._render(msgs[: i + 1], tools)
+        alone = full if i == len(msgs) - 1 else self._render(msgs[: i + 1], tools)
         if alone.startswith(prompt) and full.startswith(prompt):
             start, generated = len(prompt), alone[len(prompt):]
             same = _common_prefix(full, start, generated)
@@ -457,35 +479,64 @@ class ChatTemplateFormat:
 
     # -- pieces ------------------------------------------------------------------------------
     def _pieces(self, full: str, trained: list[tuple[int, int]], counters: list[str]) -> Pieces:
-        """``full`` cut at control tokens and at the ends of the trained spans, each piece trained or not."""
-        cuts = sorted({p for span in trained for p in span} | {len(full)})
+        """``full`` cut at the ends of the trained spans, each piece trained or not.
+
+        Where no control string came from the data (no escape in ``full``), a piece is the text between two
+        cuts, encoded with the tokenizer's own added tokens (:data:`SEGMENT`): every control string in it is
+        the template's. Otherwise the text is cut at control tokens too and encoded with none recognised.
+        """
+        spans = sorted(trained)
+        cuts = sorted({p for span in spans for p in span} - {0, len(full)})
+        marks = [(m.start(), m.end()) for m in self.control.pattern.finditer(full)]
+        last = spans[-1][0] if spans else 0
+        checks = self._checks(full, [c for c in cuts if c <= last], marks)
+        if not self.control.marks.search(full):
+            bounds = [0, *cuts, len(full)]
+            texts = [full[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+            flags = [_inside(spans, a) for a in bounds[:-1]]
+            return Pieces(tuple(texts), (SEGMENT,) * len(texts), tuple(flags), tuple(counters), checks)
         texts: list[str] = []
         control: list[int] = []
-        flags: list[bool] = []
-        spans = iter(sorted(trained))
-        span = next(spans, None)
-
-        def add(start: int, end: int, cid: int) -> None:
-            nonlocal span
-            while span is not None and span[1] <= start:
-                span = next(spans, None)
-            texts.append(full[start:end])
-            control.append(cid)
-            flags.append(span is not None and span[0] <= start)
-
         pos = 0
-        marks = [(m.start(), m.end()) for m in self.control.pattern.finditer(full)]
+        starts: list[int] = []
         for cstart, cend in [*marks, (len(full), len(full))]:
             for cut in [c for c in cuts if pos < c < cstart] + [cstart]:
                 if cut > pos:
-                    add(pos, cut, -1)
+                    texts.append(full[pos:cut])
+                    control.append(-1)
+                    starts.append(pos)
                 pos = cut
             if cend > cstart:
-                add(cstart, cend, self.control.ids[full[cstart:cend]])
+                texts.append(full[cstart:cend])
+                control.append(self.control.ids[full[cstart:cend]])
+                starts.append(cstart)
                 pos = cend
-        return self._finish(texts, control, flags, counters)
+        return self._finish(texts, control, [_inside(spans, a) for a in starts], counters, checks)
 
-    def _finish(self, texts: list[str], control: list[int], flags: list[bool], counters: list[str]) -> Pieces:
+    def _checks(self, full: str, cuts: list[int], marks: list[tuple[int, int]]) -> tuple[tuple[str, ...], ...]:
+        """For each cut before the last trained turn that falls in text (not at a control token), the text
+        around it, in its parts: up to the control tokens on either side, at most :data:`CHECK_CHARS` from the
+        outer cuts (what a cut changes, the pre-tokenizer's words at it, lies within), e.g. ``("\\n\\n",
+        "Paris.")`` after Llama's ``<|end_header_id|>``. The tokenizer stage compares the parts' ids with the
+        whole's."""
+        out = []
+        edges = sorted({p for m in marks for p in m})
+        for c in cuts:
+            k = bisect.bisect_left(edges, c)
+            if k < len(edges) and edges[k] == c:
+                continue
+            lo = edges[k - 1] if k > 0 else 0
+            hi = edges[k] if k < len(edges) else len(full)
+            inner = [x for x in cuts if lo < x < hi]
+            if inner[0] != c:
+                continue  # one check per stretch of text, with all its cuts
+            lo, hi = max(lo, inner[0] - CHECK_CHARS), min(hi, inner[-1] + CHECK_CHARS)
+            bounds = [lo, *inner, hi]
+            out.append(tuple(self.control.unescape(full[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)))
+        return tuple(out)
+
+    def _finish(self, texts: list[str], control: list[int], flags: list[bool], counters: list[str],
+                checks: tuple[tuple[str, ...], ...]) -> Pieces:
         """Data strings back from their escapes; whitespace that an lstrip/rstrip control token takes, gone."""
         esc = self.control
         for j, cid in enumerate(control):
@@ -498,17 +549,14 @@ class ChatTemplateFormat:
                 text = text.rstrip()
             texts[j] = text
         keep = [j for j, t in enumerate(texts) if t]
-        texts, control, flags = [texts[j] for j in keep], [control[j] for j in keep], [flags[j] for j in keep]
-        last = max((j for j, f in enumerate(flags) if f and (j == 0 or not flags[j - 1])), default=0)
-        checks, a = [], None
-        for j in range(last + 1):
-            if j < last and control[j] < 0:
-                a = j if a is None else a
-                continue
-            if a is not None and j - a >= 2:
-                checks.append((a, j))
-            a = None
-        return Pieces(tuple(texts), tuple(control), tuple(flags), tuple(counters), tuple(checks))
+        return Pieces(tuple(texts[j] for j in keep), tuple(control[j] for j in keep), tuple(flags[j] for j in keep),
+                      tuple(counters), checks)
+
+
+def _inside(spans: list[tuple[int, int]], pos: int) -> bool:
+    """Whether ``pos`` lies in one of the sorted, disjoint ``spans``."""
+    k = bisect.bisect_right(spans, (pos, float("inf"))) - 1
+    return k >= 0 and spans[k][0] <= pos < spans[k][1]
 
 
 def _altered(t: dict[str, Any], reasoning_key: str | None) -> dict[str, Any]:

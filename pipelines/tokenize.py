@@ -39,7 +39,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipelines.arrays import list_array, parts_flat
-from pipelines.chat_template import Pieces
+from pipelines.chat_template import SEGMENT, Pieces
 from pipelines.config import DataConfig, ModelConfig
 from pipelines.datasource import BadRecordError
 from pipelines.errors import RecordError
@@ -251,15 +251,23 @@ class Tokenizer:
                 calls.append((flag, idx, self._encoder().submit(self._encode, texts, flag)))
         idx = [i for i in range(start, len(blk.formatted)) if isinstance(blk.formatted[i], Pieces)]
         if idx:
-            texts = [t for i in idx for t in _piece_texts(blk.formatted[i])]
-            calls.append((None, idx, self._encoder().submit(self._encode_plain, texts)))
+            segments: list[str] = []
+            plain: list[str] = []
+            for i in idx:
+                _piece_texts(blk.formatted[i], segments, plain)
+            calls.append((None, idx, self._encoder().submit(self._encode_pieces, segments, plain)))
         return calls
 
-    def _encode_plain(self, texts: list[str]) -> list[list[int]]:
-        """Chat pieces' texts, each alone, with no added token recognised (:func:`plain_tokenizer`)."""
-        plain = plain_tokenizer(self._backend)
-        encode = plain.encode_batch_fast if hasattr(plain, "encode_batch_fast") else plain.encode_batch
-        return [enc.ids for enc in encode(texts, add_special_tokens=False)]
+    def _encode_pieces(self, segments: list[str], plain: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+        """Chat pieces' texts, each alone: segments with the tokenizer's added tokens (the template's control
+        tokens), the rest with none recognised (:func:`plain_tokenizer`)."""
+        def ids(tok: Any, texts: list[str]) -> list[list[int]]:
+            if not texts:
+                return []
+            encode = tok.encode_batch_fast if hasattr(tok, "encode_batch_fast") else tok.encode_batch
+            return [enc.ids for enc in encode(texts, add_special_tokens=False)]
+
+        return ids(self.backend, segments), ids(plain_tokenizer(self._backend), plain) if plain else []
 
     def _encoder(self) -> ThreadPoolExecutor:
         """The stage's one encode thread (made on first use: the stage object itself is never pickled)."""
@@ -402,22 +410,32 @@ class Tokenizer:
         return carry_unit_columns(blk.batch, tokenized_table(sids, all_ids, all_labels))
 
 
-def _piece_texts(p: Pieces) -> Iterator[str]:
-    """What a chat sample sends to be encoded: its text pieces, then each of its checked runs whole."""
-    yield from (t for t, c in zip(p.texts, p.control, strict=True) if c < 0)
-    yield from ("".join(p.texts[a:b]) for a, b in p.checks)
+def _piece_texts(p: Pieces, segments: list[str], plain: list[str]) -> None:
+    """What a chat sample sends to be encoded, appended in order: its segments to ``segments``; its plain
+    pieces, then each checked stretch's parts and the stretch whole, to ``plain``."""
+    for t, c in zip(p.texts, p.control, strict=True):
+        if c == SEGMENT:
+            segments.append(t)
+        elif c < 0:
+            plain.append(t)
+    for parts in p.checks:
+        plain.extend(parts)
+        plain.append("".join(parts))
 
 
-def _from_pieces(group: list[Pieces], encs: list[list[int]]) -> list[Encoded]:
-    """Chat samples from their pieces: text pieces' ids (``encs``, in :func:`_piece_texts` order) and control
-    ids joined, labelled where the piece is trained. Example: pieces ``"\n"`` (untrained), ``<|im_end|>`` (id 2,
-    trained) with ``encs = [[198]]`` -> ids ``[198, 2]``, labels ``[-100, 2]``. A checked run whose pieces
-    encode otherwise than the run whole counts in ``retokenized``."""
+def _from_pieces(group: list[Pieces], encs: tuple[list[list[int]], list[list[int]]]) -> list[Encoded]:
+    """Chat samples from their pieces: the text pieces' ids (``encs``, in :func:`_piece_texts` order) and
+    control ids joined, labelled where the piece is trained. Example: pieces ``"\n"`` (untrained),
+    ``<|im_end|>`` (id 2, trained) with plain ids ``[[198]]`` -> ids ``[198, 2]``, labels ``[-100, 2]``. A
+    checked stretch whose parts encode otherwise than the stretch whole counts in ``retokenized``."""
     out = []
-    texts = iter(encs)
+    segments, plain = iter(encs[0]), iter(encs[1])
     for p in group:
-        parts = [next(texts) if c < 0 else [c] for c in p.control]
-        retokenized = sum(list(chain.from_iterable(parts[a:b])) != next(texts) for a, b in p.checks)
+        parts = [next(segments) if c == SEGMENT else next(plain) if c < 0 else [c] for c in p.control]
+        retokenized = 0
+        for check in p.checks:
+            pieces = [next(plain) for _ in check]
+            retokenized += list(chain.from_iterable(pieces)) != next(plain)
         lengths = np.fromiter(map(len, parts), np.int64, len(parts))
         ids = np.fromiter(chain.from_iterable(parts), np.int32, int(lengths.sum()))
         mask = np.repeat(np.fromiter(p.trained, bool, len(parts)), lengths)
