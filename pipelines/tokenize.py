@@ -281,7 +281,7 @@ class Tokenizer:
             group = [blk.formatted[i] for i in idx]
             encs = future.result()
             if flag is None:
-                done = _from_pieces(group, encs)
+                done = _from_pieces(group, encs, plain_tokenizer(self._backend))
             elif self._fast(flag):
                 done = self._from_ids(group, encs)
             else:
@@ -411,31 +411,43 @@ class Tokenizer:
 
 
 def _piece_texts(p: Pieces, segments: list[str], plain: list[str]) -> None:
-    """What a chat sample sends to be encoded, appended in order: its segments to ``segments``; its plain
-    pieces, then each checked stretch's parts and the stretch whole, to ``plain``."""
+    """What a chat sample sends to be encoded, appended in order: its segments to ``segments``, its plain
+    pieces to ``plain``."""
     for t, c in zip(p.texts, p.control, strict=True):
         if c == SEGMENT:
             segments.append(t)
         elif c < 0:
             plain.append(t)
-    for parts in p.checks:
-        plain.extend(parts)
-        plain.append("".join(parts))
 
 
-def _from_pieces(group: list[Pieces], encs: tuple[list[list[int]], list[list[int]]]) -> list[Encoded]:
+def _retokenized(group: list[Pieces], plain: Any) -> list[int]:
+    """Per sample, how many of its checked stretches (:attr:`Pieces.checks`) encode otherwise in parts than
+    whole: one batch call of the ``plain`` tokenizer for the group's parts and stretches."""
+    texts = [t for p in group for parts in p.checks for t in (*parts, "".join(parts))]
+    if not texts:
+        return [0] * len(group)
+    encode = plain.encode_batch_fast if hasattr(plain, "encode_batch_fast") else plain.encode_batch
+    ids = iter([enc.ids for enc in encode(texts, add_special_tokens=False)])
+    out = []
+    for p in group:
+        n = 0
+        for parts in p.checks:
+            split = list(chain.from_iterable(next(ids) for _ in parts))
+            n += split != next(ids)
+        out.append(n)
+    return out
+
+
+def _from_pieces(group: list[Pieces], encs: tuple[list[list[int]], list[list[int]]], plain: Any) -> list[Encoded]:
     """Chat samples from their pieces: the text pieces' ids (``encs``, in :func:`_piece_texts` order) and
     control ids joined, labelled where the piece is trained. Example: pieces ``"\n"`` (untrained),
     ``<|im_end|>`` (id 2, trained) with plain ids ``[[198]]`` -> ids ``[198, 2]``, labels ``[-100, 2]``. A
-    checked stretch whose parts encode otherwise than the stretch whole counts in ``retokenized``."""
+    checked stretch whose parts encode otherwise than the stretch whole counts in ``retokenized``: that
+    check runs here, on the stage's own thread, while the encode thread encodes the next slice."""
     out = []
-    segments, plain = iter(encs[0]), iter(encs[1])
-    for p in group:
-        parts = [next(segments) if c == SEGMENT else next(plain) if c < 0 else [c] for c in p.control]
-        retokenized = 0
-        for check in p.checks:
-            pieces = [next(plain) for _ in check]
-            retokenized += list(chain.from_iterable(pieces)) != next(plain)
+    segments, texts = iter(encs[0]), iter(encs[1])
+    for p, retokenized in zip(group, _retokenized(group, plain), strict=True):
+        parts = [next(segments) if c == SEGMENT else next(texts) if c < 0 else [c] for c in p.control]
         lengths = np.fromiter(map(len, parts), np.int64, len(parts))
         ids = np.fromiter(chain.from_iterable(parts), np.int32, int(lengths.sum()))
         mask = np.repeat(np.fromiter(p.trained, bool, len(parts)), lengths)
