@@ -60,7 +60,10 @@ __all__ = ["ChatTemplateFormat", "ControlTokens", "Pieces", "tools_system_text"]
 # The private-use plane (U+F0000 on) stands in for control strings inside data while a template renders.
 MARK_BASE = 0xF0000
 SEGMENT = -2  # Pieces.control of text encoded with the tokenizer's own added tokens
-CHECK_CHARS = 64  # text checked on either side of a cut (Pieces.checks)
+# Text checked on either side of a cut (Pieces.checks). A cut changes a regex pre-tokenizer's words only at
+# the cut (the word across it, or the one before it whose end a one-character lookahead decides), so a few
+# characters either side show it; the stage caches the results, and short windows repeat.
+CHECK_CHARS = 8
 
 # Tool definitions for templates that ignore ``tools=``: the text Qwen2.5 / Hermes templates put in
 # their system turn, one JSON schema per line.
@@ -192,17 +195,20 @@ class ChatTemplateFormat:
                 f"{getattr(tokenizer, 'name_or_path', '?')!r} has no chat template"
             )
         self.ds, self.tok, self.all_trained = ds, tokenizer, data.train_on_inputs
-        # What apply_chat_template hands the template: the special tokens and the dataset's own variables
-        # (rendering through it directly costs a third more per call).
+        # What apply_chat_template hands the template: the special tokens and the dataset's own variables.
+        # Rendering through transformers' renderer directly skips apply_chat_template's per-call argument work.
         self.template_vars = {**tokenizer.special_tokens_map, **ds.chat_template_kwargs}
         from transformers.utils.chat_template_utils import render_jinja_template
 
         self._render_jinja, self._errors = render_jinja_template, _template_errors()
+        # A dict of named templates (``default``, ``tool_use``) is chosen from as apply_chat_template does.
+        named = tokenizer.chat_template if isinstance(tokenizer.chat_template, dict) else {"default": tokenizer.chat_template}
+        self.templates = (named.get("default") or next(iter(named.values())), named.get("tool_use"))
         self.control = ControlTokens(tokenizer)
-        self.generation_markers = bool(GENERATION_BLOCK.search(tokenizer.chat_template))
+        self.generation_markers = any(GENERATION_BLOCK.search(t) for t in self.templates if t)
         self.caps = self._probe()
-        self._end_marker = re.compile(r"\s*(?:" + "|".join(map(re.escape, sorted(self.caps.end_markers, key=len,
-                                                                                 reverse=True))) + ")")
+        ends = sorted(self.caps.end_markers, key=len, reverse=True)
+        self._end_marker = re.compile(r"\s*(?:" + "|".join(map(re.escape, ends)) + ")" if ends else "(?!)")
         if not self.generation_markers and self._header_trains():
             raise RecordError(f"the chat template of {getattr(tokenizer, 'name_or_path', '?')!r} renders the "
                               "assistant's role header with the answer, not in its generation prompt "
@@ -214,17 +220,20 @@ class ChatTemplateFormat:
         if not msgs:
             return ""
         try:
-            rendered, _ = self._render_jinja(conversations=[msgs], tools=tools, chat_template=self.tok.chat_template,
-                                                add_generation_prompt=generation_prompt, **self.template_vars)
+            rendered, _ = self._render_jinja(conversations=[msgs], tools=tools, chat_template=self._template(tools),
+                                             add_generation_prompt=generation_prompt, **self.template_vars)
             return rendered[0]
         except self._errors as err:
             raise RecordError(f"the chat template failed: {type(err).__name__}: {err}") from None
 
+    def _template(self, tools: list | None) -> str:
+        return self.templates[1] if tools and self.templates[1] else self.templates[0]
+
     def _generation_spans(self, msgs: list[dict[str, Any]], tools: list | None) -> list[tuple[int, int]]:
         """The ``{% generation %}`` blocks of the rendered conversation, as transformers finds them."""
         try:
-            _, spans = self._render_jinja(conversations=[msgs], tools=tools, chat_template=self.tok.chat_template,
-                                             return_assistant_tokens_mask=True, **self.template_vars)
+            _, spans = self._render_jinja(conversations=[msgs], tools=tools, chat_template=self._template(tools),
+                                          return_assistant_tokens_mask=True, **self.template_vars)
         except self._errors as err:
             raise RecordError(f"the chat template failed: {type(err).__name__}: {err}") from None
         return [tuple(span) for span in spans[0]]
@@ -256,11 +265,11 @@ class ChatTemplateFormat:
                 ends.add(last.group())
         header = self._try(user)
         header = self._render(user, None, generation_prompt=True)[len(header):] if header else ""
-        return Capabilities(tools, tool_calls, tool_role, key, frozenset(ends or {"(?!)"}), header)
+        return Capabilities(tools, tool_calls, tool_role, key, frozenset(ends), header)
 
     def _header_trains(self) -> bool:
         """Whether a template that adds no generation prompt renders text between a probe's prompt and its
-        answer (ChatML without ``add_generation_prompt``: ``<|im_start|>assistant\n``). Mistral adds none
+        answer (ChatML without ``add_generation_prompt``: ``<|im_start|>assistant\\n``). Mistral adds none
         and its answer follows ``[/INST]`` directly; gpt-oss adds ``<|start|>assistant``, and the channel
         after it is the model's to generate."""
         if self.caps.header:
@@ -516,9 +525,8 @@ class ChatTemplateFormat:
     def _checks(self, full: str, cuts: list[int], marks: list[tuple[int, int]]) -> tuple[tuple[str, ...], ...]:
         """For each cut before the last trained turn that falls in text (not at a control token), the text
         around it, in its parts: up to the control tokens on either side, at most :data:`CHECK_CHARS` from the
-        outer cuts (what a cut changes, the pre-tokenizer's words at it, lies within), e.g. ``("\\n\\n",
-        "Paris.")`` after Llama's ``<|end_header_id|>``. The tokenizer stage compares the parts' ids with the
-        whole's."""
+        outer cuts, e.g. ``("\\n\\n", "Paris. T")`` after Llama's ``<|end_header_id|>``. The tokenizer stage
+        compares the parts' ids with the whole's."""
         out = []
         edges = sorted({p for m in marks for p in m})
         for c in cuts:

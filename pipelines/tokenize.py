@@ -157,6 +157,7 @@ class Tokenizer:
         # without importing transformers when that gives the same encoding (pipelines.tokenizer).
         self._hf, backend = shared_tokenizer(model, _needs_hf(table))
         self._backend = backend
+        self._checked: dict[tuple[str, ...], bool] = {}  # chat: retokenization checks done (_retokenized)
         self.backend, self.eos, self.vocab_size = backend.tokenizer, backend.eos_token_id, backend.vocab_size
         self.byte_spans = byte_spans(backend)  # None: labels need the encoding's offsets
         self.tokenizer_name = model.tokenizer_path
@@ -281,7 +282,7 @@ class Tokenizer:
             group = [blk.formatted[i] for i in idx]
             encs = future.result()
             if flag is None:
-                done = _from_pieces(group, encs, plain_tokenizer(self._backend))
+                done = _from_pieces(group, encs, plain_tokenizer(self._backend), self._checked)
             elif self._fast(flag):
                 done = self._from_ids(group, encs)
             else:
@@ -420,25 +421,24 @@ def _piece_texts(p: Pieces, segments: list[str], plain: list[str]) -> None:
             plain.append(t)
 
 
-def _retokenized(group: list[Pieces], plain: Any) -> list[int]:
+def _retokenized(group: list[Pieces], plain: Any, known: dict[tuple[str, ...], bool]) -> list[int]:
     """Per sample, how many of its checked stretches (:attr:`Pieces.checks`) encode otherwise in parts than
-    whole: one batch call of the ``plain`` tokenizer for the group's parts and stretches."""
-    texts = [t for p in group for parts in p.checks for t in (*parts, "".join(parts))]
-    if not texts:
-        return [0] * len(group)
-    encode = plain.encode_batch_fast if hasattr(plain, "encode_batch_fast") else plain.encode_batch
-    ids = iter([enc.ids for enc in encode(texts, add_special_tokens=False)])
-    out = []
-    for p in group:
-        n = 0
-        for parts in p.checks:
-            split = list(chain.from_iterable(next(ids) for _ in parts))
-            n += split != next(ids)
-        out.append(n)
-    return out
+    whole: one batch call of the ``plain`` tokenizer for the stretches not in ``known`` (results so far, by
+    stretch; a few characters around a header's end, so they repeat)."""
+    new = list({parts: None for p in group for parts in p.checks if parts not in known})
+    if new:
+        encode = plain.encode_batch_fast if hasattr(plain, "encode_batch_fast") else plain.encode_batch
+        ids = iter([enc.ids for enc in encode([t for parts in new for t in (*parts, "".join(parts))],
+                                               add_special_tokens=False)])
+        if len(known) > 1 << 16:
+            known.clear()
+        for parts in new:
+            known[parts] = list(chain.from_iterable(next(ids) for _ in parts)) != next(ids)
+    return [sum(known[parts] for parts in p.checks) for p in group]
 
 
-def _from_pieces(group: list[Pieces], encs: tuple[list[list[int]], list[list[int]]], plain: Any) -> list[Encoded]:
+def _from_pieces(group: list[Pieces], encs: tuple[list[list[int]], list[list[int]]], plain: Any,
+                 known: dict[tuple[str, ...], bool]) -> list[Encoded]:
     """Chat samples from their pieces: the text pieces' ids (``encs``, in :func:`_piece_texts` order) and
     control ids joined, labelled where the piece is trained. Example: pieces ``"\n"`` (untrained),
     ``<|im_end|>`` (id 2, trained) with plain ids ``[[198]]`` -> ids ``[198, 2]``, labels ``[-100, 2]``. A
@@ -446,7 +446,7 @@ def _from_pieces(group: list[Pieces], encs: tuple[list[list[int]], list[list[int
     check runs here, on the stage's own thread, while the encode thread encodes the next slice."""
     out = []
     segments, texts = iter(encs[0]), iter(encs[1])
-    for p, retokenized in zip(group, _retokenized(group, plain), strict=True):
+    for p, retokenized in zip(group, _retokenized(group, plain, known), strict=True):
         parts = [next(segments) if c == SEGMENT else next(texts) if c < 0 else [c] for c in p.control]
         lengths = np.fromiter(map(len, parts), np.int64, len(parts))
         ids = np.fromiter(chain.from_iterable(parts), np.int32, int(lengths.sum()))

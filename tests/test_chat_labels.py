@@ -236,3 +236,21 @@ def test_tools_system_turn_joins_an_existing_system_turn(tokenizers):
     for bad in ('[{"name": ', '{"name": "f"}', "[1, 2]"):
         with pytest.raises(RecordError, match="tools"):
             fmt({**_conv("ok"), "tools": bad})
+
+
+def test_named_templates_are_chosen_as_transformers_does():
+    """A dict of templates: ``tool_use`` for records with tools, ``default`` for the rest."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(SMOLLM2)
+    default = hf.chat_template
+    hf.chat_template = {"default": default, "tool_use": CHATML_TOOLS}
+    cfg = make_config([{"path": "unused.jsonl", "type": "chat_template"}], tokenizer=SMOLLM2)
+    fmt = make_formatter(cfg.data.datasets[0], cfg.data, hf)
+    tools = [{"name": "get_weather", "description": "Weather for a city"}]
+    with_tools = fmt({**_conv("Sunny."), "tools": tools})
+    assert with_tools.text.startswith("<|im_start|>system\nTools:\nget_weather: Weather for a city\n")
+    assert with_tools.counters[0] == "tools_rendered_by_template"
+    plain = fmt(_conv("Rain."))
+    assert plain.text.startswith("<|im_start|>system\nYou are a helpful AI assistant")
+    assert [plain.text[s:e] for s, e in _spans(plain)] == ["Rain.<|im_end|>"]
