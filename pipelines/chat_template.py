@@ -416,7 +416,7 @@ class ChatTemplateFormat:
         """Turn ``i`` as the whole conversation renders it: the text that changes when the turn's content,
         reasoning and call arguments change, widened back to the generation header before it and on to the
         end marker after it. Example (Qwen3, an earlier turn whose reasoning the template drops): the
-        content differs, the header is ``<|im_start|>assistant\n``, the end ``<|im_end|>``."""
+        content differs, the header is ``<|im_start|>assistant\\n``, the end ``<|im_end|>``."""
         altered = list(msgs)
         altered[i] = _altered(msgs[i], self.caps.reasoning_key)
         other = self._render(altered, tools)
@@ -468,17 +468,19 @@ class ChatTemplateFormat:
 
     def _region_of(self, msgs: list[dict[str, Any]], i: int, tools: list | None, full: str, key: str) -> tuple[int, int]:
         """Where turn ``i``'s reasoning or tool calls lie in ``full``: the text that changes when the template
-        renders the conversation without them."""
+        renders the conversation without the reasoning, or with other names and arguments in the calls (a
+        template may refuse a conversation whose calls are gone: a tool result must follow a call)."""
         turn = dict(msgs[i])
         if key == "reasoning":
             if self.caps.reasoning_key:
                 turn.pop(self.caps.reasoning_key, None)
             else:  # inlined: drop the <think> block from the content
                 turn["content"] = turn["content"].split("</think>\n\n", 1)[-1]
-        else:
-            turn.pop("tool_calls", None)
-            if not self.caps.tool_calls:
-                turn["content"] = turn["content"].split("<tool_call>\n", 1)[0].rstrip("\n")
+        elif self.caps.tool_calls:
+            turn["tool_calls"] = [{**c, "function": {"name": f"zqaltcall{j}", "arguments": {"zqalt": j}}}
+                                  for j, c in enumerate(turn["tool_calls"])]
+        else:  # inlined: drop the <tool_call> blocks from the content
+            turn["content"] = turn["content"].split("<tool_call>\n", 1)[0].rstrip("\n")
         other = self._render([*msgs[:i], turn, *msgs[i + 1 :]], tools)
         head = _common_prefix(full, 0, other)
         tail = 0

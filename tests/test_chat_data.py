@@ -223,7 +223,7 @@ def test_agent_trace_trains_calls_and_answer_and_accounts_for_each(tmp_path, fam
             assert "Lisbon" in hf.decode(ids) and m["content"] not in trained
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen2_5"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_reasoning_and_calls_can_be_left_out_of_the_labels(tmp_path, families, family):
     hf = _hf(families[family])
     rec = agent_trace()
@@ -263,17 +263,36 @@ def test_openai_and_sharegpt_forms_of_one_agent_turn_train_alike(tmp_path, famil
     assert counters["chat_tool_calls_trained"] == 2 and counters["tools_rendered_by_template"] == 1
 
 
-def test_template_errors_are_bad_records(tmp_path, families):
-    """Gemma 3's template raises on two user turns in a row: the record, not the run, is at fault."""
-    bad = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
-                        {"role": "assistant", "content": "c"}]}
+# Per family, a record its published template refuses with raise_exception, and the words it uses. The
+# Qwen2.5 and Qwen3 templates raise on nothing.
+def _two_calls(call_id: str = "Ab3Kp9Lq2") -> dict:
+    call = {"id": call_id, "type": "function", "function": {"name": "f", "arguments": {}}}
+    return {"role": "assistant", "content": "", "tool_calls": [call, {**call, "id": "Zz8Yy7Xx6"}]}
+
+
+TEMPLATE_ERRORS = {
+    "gemma3": ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}],
+               "Conversation roles must alternate"),
+    "mistral": ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}],
+                "roles must alternate"),
+    "llama3_1": ([{"role": "user", "content": "a"}, _two_calls()], "only supports single tool-calls"),
+    "gpt_oss": ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "x", "reasoning_content": "r",
+                 "tool_calls": _two_calls()["tool_calls"][:1]}], "Cannot pass both content and thinking"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(TEMPLATE_ERRORS))
+def test_template_errors_are_bad_records(tmp_path, families, family):
+    """A template's own raise_exception: the record, not the run, is at fault."""
+    msgs, words = TEMPLATE_ERRORS[family]
+    bad = {"messages": msgs}
     good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "c"}]}
-    with pytest.raises(Exception, match=r"c\.jsonl.* line 1.*Conversation roles must alternate"):
-        _tokenize(tmp_path, families["gemma3"], [bad, good], "gemma3")
-    rows, counters, examples = _tokenize(tmp_path, families["gemma3"], [bad, good], "gemma3", name="d.jsonl",
+    with pytest.raises(Exception, match=rf"c\.jsonl.* line 1.*{words}"):
+        _tokenize(tmp_path, families[family], [bad, good], family)
+    rows, counters, examples = _tokenize(tmp_path, families[family], [bad, good], family, name="d.jsonl",
                                          on_bad_record="skip")
     assert rows[0] == ([], []) and rows[1][0] and counters["skipped_bad_record"] == 1
-    assert "line 1" in examples["skipped_bad_record"][0] and "alternate" in examples["skipped_bad_record"][0]
+    assert "line 1" in examples["skipped_bad_record"][0] and words in examples["skipped_bad_record"][0]
 
 
 def test_keys_the_format_does_not_know_are_bad_records(tmp_path):
