@@ -55,12 +55,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import benchlib as bl  # noqa: E402
 
-BENCH_DIR = Path(__file__).resolve().parent
-ROOT = BENCH_DIR.parent
-SHARED = Path(os.environ.get("PIPELINES_SHARED_DATA", ROOT.parent / "shared" / "data"))
-GLAIVE = SHARED / "chat" / "glaive_toolcall_en_demo.json"
-SMOLLM2 = SHARED / "tokenizers" / "smollm2-135m-instruct"
-WORK = BENCH_DIR / ".work" / "chat_ingest"
+ROOT, SMOLLM2 = bl.ROOT, bl.SMOLLM2
+GLAIVE = bl.SHARED / "chat" / "glaive_toolcall_en_demo.json"
+WORK = bl.DEFAULT_WORK / "chat_ingest"
 FULL_RECORDS = 3000
 QUICK_RECORDS = 300
 WARM_RECORDS = 64

@@ -106,6 +106,17 @@ def load_ray_job(name: str):
     return module
 
 
+def trained_runs(decode, ids: list[int], labels: list[int]) -> list[str]:
+    """The decoded runs of consecutive trained tokens of one sample (``decode``: a tokenizer's decode)."""
+    runs, cur = [], []
+    for t, lab in zip(ids, labels, strict=True):
+        if lab != -100:
+            cur.append(t)
+        elif cur:
+            runs, cur = [*runs, cur], []
+    return [decode(r) for r in [*runs, cur] if r]
+
+
 def write_jsonl(path: Path, records: list) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     return path

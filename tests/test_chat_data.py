@@ -21,7 +21,7 @@ import json
 
 import pytest
 from chat_families import FAMILIES, agent_trace, control_strings, family_tokenizer
-from conftest import SMOLLM2, make_config, needs_shared, write_jsonl
+from conftest import SMOLLM2, make_config, needs_shared, trained_runs, write_jsonl
 
 from pipelines.datasource import ReadOptions, read_files
 from pipelines.sources import resolve_sources
@@ -65,14 +65,7 @@ def _tokenize(tmp_path, tokenizer, records, family=None, name="c.jsonl", **ds):
 
 
 def _runs(hf, ids, labels) -> list[str]:
-    """The decoded runs of consecutive trained tokens."""
-    runs, cur = [], []
-    for t, lab in zip(ids, labels, strict=True):
-        if lab != IGNORE_INDEX:
-            cur.append(t)
-        elif cur:
-            runs, cur = [*runs, cur], []
-    return [hf.decode(r) for r in [*runs, cur] if r]
+    return trained_runs(hf.decode, ids, labels)
 
 
 def _render(hf, msgs, family, tools=None, generation_prompt=False) -> str:

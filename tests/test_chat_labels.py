@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import GLAIVE, SMOLLM2, make_config, needs_shared, write_jsonl
+from conftest import GLAIVE, SMOLLM2, make_config, needs_shared, trained_runs, write_jsonl
 
 from pipelines.chat_template import tools_system_text
 from pipelines.datasource import ReadOptions, read_files
@@ -111,16 +111,7 @@ def _spans(pieces) -> list[tuple[int, int]]:
 
 
 def _trained_pieces(tok, ids: list[int], labels: list[int]) -> list[str]:
-    """The decoded runs of consecutive trained tokens of one sample."""
-    runs, cur = [], []
-    for t, lab in zip(ids, labels, strict=True):
-        if lab != IGNORE_INDEX:
-            cur.append(t)
-        elif cur:
-            runs, cur = [*runs, cur], []
-    if cur:
-        runs.append(cur)
-    return [tok.hf.decode(r) for r in runs]
+    return trained_runs(tok.hf.decode, ids, labels)
 
 
 CASES = [  # (answers, expected trained text per template family: chatml / llama3)
