@@ -145,6 +145,11 @@ DatasetFormat = Literal["auto", "jsonl", "json", "parquet", "mds"]
 DatasetType = Literal["completion", "alpaca", "chat_template", "input_output"]
 
 
+# DatasetConfig keys that only the chat_template type reads.
+CHAT_KEYS = frozenset({"messages_field", "role_key", "content_key", "role_map", "train_turns", "train_reasoning",
+                       "train_tool_calls", "chat_template_kwargs", "ignore_fields"})
+
+
 class DatasetConfig(_Strict):
     """One source of samples and how to turn its records into text and labels."""
 
@@ -203,6 +208,14 @@ class DatasetConfig(_Strict):
                              "message's own train: true|false); user, system and tool turns train only under "
                              "data.train_on_inputs")
         return values
+
+    @model_validator(mode="after")
+    def _chat_keys_for_chat(self) -> DatasetConfig:
+        if self.type != "chat_template":
+            set_here = sorted(CHAT_KEYS & self.model_fields_set)
+            if set_here:
+                raise ValueError(f"{', '.join(set_here)} apply to type chat_template only (this dataset is {self.type})")
+        return self
 
     @field_validator("path")
     @classmethod

@@ -262,6 +262,8 @@ def test_which_turns_train_last_only_or_per_message(tmp_path):
     assert got == ["A3<|im_end|>"] and counters["chat_turns_untrained"] == 2 and counters["chat_turns_trained"] == 1
     assert trained([{"messages": flagged}])[0] == ["A2<|im_end|>"]  # the message's own flag wins
     assert trained([{"messages": flagged}], train_turns="last")[0] == ["A2<|im_end|>"]
+    with pytest.raises(ConfigError, match=r"train_turns apply to type chat_template only \(this dataset is alpaca\)"):
+        make_config([{"path": "x.jsonl", "type": "alpaca", "train_turns": "last"}])
     with pytest.raises(ConfigError, match="roles_to_train was removed.*train_turns"):
         make_config([{"path": "x.jsonl", "type": "chat_template", "roles_to_train": ["user", "assistant"]}])
 
