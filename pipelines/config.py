@@ -211,8 +211,9 @@ class DatasetConfig(_Strict):
 
     @model_validator(mode="after")
     def _chat_keys_for_chat(self) -> DatasetConfig:
-        if self.type != "chat_template":
-            set_here = sorted(CHAT_KEYS & self.model_fields_set)
+        if self.type != "chat_template":  # set to other than its default (a dumped config holds every key)
+            fields = type(self).model_fields
+            set_here = sorted(k for k in CHAT_KEYS if getattr(self, k) != fields[k].get_default(call_default_factory=True))
             if set_here:
                 raise ValueError(f"{', '.join(set_here)} apply to type chat_template only (this dataset is {self.type})")
         return self

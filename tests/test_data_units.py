@@ -264,6 +264,8 @@ def test_which_turns_train_last_only_or_per_message(tmp_path):
     assert trained([{"messages": flagged}], train_turns="last")[0] == ["A2<|im_end|>"]
     with pytest.raises(ConfigError, match=r"train_turns apply to type chat_template only \(this dataset is alpaca\)"):
         make_config([{"path": "x.jsonl", "type": "alpaca", "train_turns": "last"}])
+    alpaca = make_config([{"path": "x.jsonl", "type": "alpaca"}])  # a dumped config, every key in it, loads again
+    assert config_from_dict(alpaca.model_dump(mode="json")) == alpaca
     with pytest.raises(ConfigError, match="roles_to_train was removed.*train_turns"):
         make_config([{"path": "x.jsonl", "type": "chat_template", "roles_to_train": ["user", "assistant"]}])
 
