@@ -14,8 +14,9 @@ computing offsets, and the labels come from the tokens' byte lengths, for the wh
 flat arrays (ids, labels and EOS never handled per sample in Python); any other tokenizer uses
 ``encode_batch`` and its offsets.
 
-Chat samples (:class:`pipelines.chat_template.Pieces`) are encoded piece by piece with the tokenizer's
-added tokens switched off (:func:`plain_tokenizer`), the template's control tokens put in as ids, and
+Chat samples (:class:`pipelines.chat_template.Pieces`) are encoded piece by piece: the text between two cuts
+by the tokenizer itself where no control string came from the data, else text with the tokenizer's added
+tokens switched off (:func:`plain_tokenizer`) and the template's control tokens put in as ids. They are
 labelled per piece: no offsets and no byte lengths are needed, since every trained span starts and ends at a
 piece boundary.
 
@@ -262,13 +263,7 @@ class Tokenizer:
     def _encode_pieces(self, segments: list[str], plain: list[str]) -> tuple[list[list[int]], list[list[int]]]:
         """Chat pieces' texts, each alone: segments with the tokenizer's added tokens (the template's control
         tokens), the rest with none recognised (:func:`plain_tokenizer`)."""
-        def ids(tok: Any, texts: list[str]) -> list[list[int]]:
-            if not texts:
-                return []
-            encode = tok.encode_batch_fast if hasattr(tok, "encode_batch_fast") else tok.encode_batch
-            return [enc.ids for enc in encode(texts, add_special_tokens=False)]
-
-        return ids(self.backend, segments), ids(plain_tokenizer(self._backend), plain) if plain else []
+        return _ids(self.backend, segments), _ids(plain_tokenizer(self._backend), plain) if plain else []
 
     def _encoder(self) -> ThreadPoolExecutor:
         """The stage's one encode thread (made on first use: the stage object itself is never pickled)."""
@@ -411,6 +406,11 @@ class Tokenizer:
         return carry_unit_columns(blk.batch, tokenized_table(sids, all_ids, all_labels))
 
 
+def _ids(tok: Any, texts: list[str]) -> list[list[int]]:
+    """Each text's ids alone, in one batch call without offsets (no post-processor tokens)."""
+    return [enc.ids for enc in tok.encode_batch_fast(texts, add_special_tokens=False)] if texts else []
+
+
 def _piece_texts(p: Pieces, segments: list[str], plain: list[str]) -> None:
     """What a chat sample sends to be encoded, appended in order: its segments to ``segments``, its plain
     pieces to ``plain``."""
@@ -427,9 +427,7 @@ def _retokenized(group: list[Pieces], plain: Any, known: dict[tuple[str, ...], b
     stretch; a few characters around a header's end, so they repeat)."""
     new = list({parts: None for p in group for parts in p.checks if parts not in known})
     if new:
-        encode = plain.encode_batch_fast if hasattr(plain, "encode_batch_fast") else plain.encode_batch
-        ids = iter([enc.ids for enc in encode([t for parts in new for t in (*parts, "".join(parts))],
-                                               add_special_tokens=False)])
+        ids = iter(_ids(plain, [t for parts in new for t in (*parts, "".join(parts))]))
         if len(known) > 1 << 16:
             known.clear()
         for parts in new:
