@@ -1,7 +1,7 @@
 """THE FEEDER BEFORE ITS COLUMNAR REWRITE -- kept for ``benchmarks/feeder_scale.py`` only. Not used by
 the library; do not import it elsewhere.
 
-This is ``pipelines/loader.py`` and the row-by-row ``Mixer`` of ``pipelines/mixing.py`` as of commit
+This is ``pipelines/loader.py`` and the row-by-row ``Mixer`` of ``pipelines/stream/mixing.py`` as of commit
 7368158 (before issue #10's rewrite), trimmed to what the benchmark drives: every Arrow batch becomes
 Python dicts (``to_pylist``), the mixer advances row by row, each rank gets pickled lists of ints and
 turns them back into numpy row by row. Its epoch-boundary and cycle bugs (#14) are left as they were.
@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import ray
 
-from pipelines.mixing import fresh_states, stream_epoch
-from pipelines.resume import DataState, LedgerEntry, SourceState
-from pipelines.units import ResumePoint, point_after
+from pipelines.stream.mixing import fresh_states, stream_epoch
+from pipelines.stream.state import DataState, LedgerEntry, SourceState
+from pipelines.stream.units import ResumePoint, point_after
 
 ROW_COLUMNS = ("input_ids", "labels", "position_ids", "sample_ids")
 Row = dict[str, Any]

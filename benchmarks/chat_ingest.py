@@ -10,9 +10,9 @@ process of one root (``PYTHONPATH=<root>``, ``cwd=<root>``, so it imports that r
 the roots take turns: old, new, old, new, ... The first root is the baseline of the ratio column.
 
 What is timed, in-process and without Ray (as ``tests/test_chat_labels.py``'s ``_tokenize``): the
-``Tokenizer`` stage (``pipelines.tokenize.Tokenizer``, JSON parse + chat formatting + encoding + labels)
+``Tokenizer`` stage (``pipelines.tokenize.stage.Tokenizer``, JSON parse + chat formatting + encoding + labels)
 over every block of the case, ``tok(block)`` per block. Outside the clock: loading the tokenizer, reading
-the files into blocks (``pipelines.datasource.read_files``), and a warm-up pass of a separate
+the files into blocks (``pipelines.sources.datasource.read_files``), and a warm-up pass of a separate
 ``Tokenizer`` over the first 64 records (the chat template's compilation and other first-use costs).
 The Rust tokenizer runs on one thread in every run (``RAYON_NUM_THREADS=1``,
 ``TOKENIZERS_PARALLELISM=false`` in the child's environment, ``data.tokenize.threads: 1``).
@@ -63,7 +63,7 @@ QUICK_RECORDS = 300
 WARM_RECORDS = 64
 RESULT_TAG = "RESULT "
 CHILD_TAG = "CHAT_INGEST "
-# The Rust tokenizer's threads, fixed for every root (as pipelines.tokenize.rust_thread_env(1) sets them).
+# The Rust tokenizer's threads, fixed for every root (as pipelines.tokenize.stage.rust_thread_env(1) sets them).
 THREAD_ENV = {"RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 # --------------------------------------------------------------------------- data
@@ -230,10 +230,10 @@ def write_cases(n: int, work: Path = WORK) -> dict[str, dict[str, str]]:
 def _stage(path: str) -> tuple[Any, Any, list]:
     """A Tokenizer for one JSONL file, its sink, and the file's blocks (read now)."""
     from pipelines.config import config_from_dict
-    from pipelines.datasource import ReadOptions, read_files
-    from pipelines.sources import resolve_sources
+    from pipelines.sources.datasource import ReadOptions, read_files
+    from pipelines.sources.listing import resolve_sources
     from pipelines.stats import StatsSink
-    from pipelines.tokenize import Tokenizer
+    from pipelines.tokenize.stage import Tokenizer
 
     cfg = config_from_dict({"model": {"tokenizer": str(SMOLLM2)}, "data": {
         "datasets": [{"path": path, "type": "chat_template"}], "on_bad_record": "skip", "sequence_len": 4096,

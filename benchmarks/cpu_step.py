@@ -42,7 +42,7 @@ VARIANTS = ["torch-fp32-nomask", "torch-fp32-mask4d", "torch-bf16-mask4d", "torc
 
 def packed_rows(cfg, n: int) -> list[dict]:
     """The first ``n`` packed rows of the config's train stream, made in this process."""
-    from pipelines.dataset import iter_packed_local
+    from pipelines.stream.dataset import iter_packed_local
 
     rows: list[dict] = []
     for table in iter_packed_local(cfg, "train"):

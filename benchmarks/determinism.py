@@ -24,7 +24,7 @@ SHARED = ROOT.parent / "shared" / "data"
 
 def _run(path: Path, deterministic: bool) -> tuple[float, int]:
     from pipelines.config import config_from_dict
-    from pipelines.dataset import build_dataset
+    from pipelines.stream.dataset import build_dataset
 
     cfg = config_from_dict({
         "model": {"tokenizer": str(SHARED / "tokenizers" / "gpt2")},

@@ -9,7 +9,7 @@ materialized in Ray's object store before any clock starts, so tokenization and 
 bound. In one run, over the same blocks:
 
 * ``ceiling``: one plain ``ds.iter_batches()`` consumer in the driver (the Ray Data ceiling here);
-* ``feeder``: ``pipelines.feeder.Feeder`` (references + row ranges; ranks fetch and split rows);
+* ``feeder``: ``pipelines.stream.feeder.Feeder`` (references + row ranges; ranks fetch and split rows);
 * ``old``: the feeder before its rewrite (``benchmarks/_old_feeder.py``: ``to_pylist``, row-by-row
   mixing, pickled lists of ints, numpy again on the rank).
 
@@ -53,9 +53,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from benchlib import TreeRSS, wait_quiet  # noqa: E402
 
-from pipelines.feeder import Feeder, FeederClient, feeder_concurrency  # noqa: E402
 from pipelines.ray_local import init_local  # noqa: E402
-from pipelines.sources import make_sample_id  # noqa: E402
+from pipelines.sources.listing import make_sample_id  # noqa: E402
+from pipelines.stream.feeder import Feeder, FeederClient, feeder_concurrency  # noqa: E402
 
 SEQ, K, BLOCK_ROWS = 2048, 8, 64
 SHARED = Path(os.environ.get("PIPELINES_SHARED_DATA", ROOT.parent / "shared" / "data"))
@@ -140,7 +140,7 @@ class MaterializedPlan:
         if self.dicts:
             from _old_feeder import _rows_of as stream
         else:
-            from pipelines.feeder import _chunks_of as stream
+            from pipelines.stream.feeder import _chunks_of as stream
         items = stream(self.ds)
         first = next(items)  # Ray Data's execution starts before the clock, as the ceiling's does
         self.gate.wait()

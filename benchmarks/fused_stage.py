@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/fused_stage.py [--repeats 5] [--data DIR]
 
 * ``actors``: read tasks -> the tokenizer actor pool of ``data.tokenize`` (one actor on 2 CPUs);
-* ``read_tasks``: the same ``TokenizeAndPack`` inside the read tasks (``pipelines.dataset.read_task_stage``):
+* ``read_tasks``: the same ``TokenizeAndPack`` inside the read tasks (``pipelines.stream.dataset.read_task_stage``):
   no actor to start, and blocks never cross the object store between reading and tokenizing. Same threads,
   same environment, same concurrency (one task at a time on 2 CPUs). On 2 CPUs ``auto`` picks ``read_tasks``.
 

@@ -60,8 +60,8 @@ def stream_rows(cfg, n: int) -> list[dict]:
     import numpy as np
     import ray
 
-    from pipelines.dataset import build_dataset
     from pipelines.ray_local import init_local
+    from pipelines.stream.dataset import build_dataset
 
     init_local(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

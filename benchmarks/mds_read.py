@@ -116,7 +116,7 @@ def prepare(work: Path, target_mb: float, shard_bytes: int, files: int) -> dict[
 
 def _alpaca_texts(rows: list[dict[str, Any]]) -> list[str]:
     from pipelines.config import DataConfig, DatasetConfig
-    from pipelines.formats import make_formatter
+    from pipelines.sources.formats import make_formatter
 
     ds = DatasetConfig(path="x", type="alpaca")
     fmt = make_formatter(ds, DataConfig(datasets=[ds]), None)
@@ -196,7 +196,7 @@ def run_ours(p: dict[str, Any]) -> dict[str, Any]:
     from benchlib import iter_ray_blocks
 
     from pipelines.config import config_from_dict
-    from pipelines.dataset import build_dataset
+    from pipelines.stream.dataset import build_dataset
 
     t0 = time.perf_counter()
     from pipelines.ray_local import init_local
@@ -230,7 +230,7 @@ class _TokenizingDataset:
         from transformers import AutoTokenizer
 
         from pipelines.config import DataConfig, DatasetConfig
-        from pipelines.formats import make_formatter
+        from pipelines.sources.formats import make_formatter
 
         self.inner = StreamingDataset(**kwargs)
         self.tokens = tokens

@@ -4,12 +4,12 @@ Each real data set is tokenized once with this project's own stages (``iter_pack
 ``packing: none`` and no length limit, so lengths and labels are exactly what the pipeline packs),
 then packed at each sequence length with:
 
-* ``bfd`` (ours): :func:`pipelines.packing.pack_samples` on each packing unit, i.e. each run of
+* ``bfd`` (ours): :func:`pipelines.stream.packing.pack_samples` on each packing unit, i.e. each run of
   ``pack_buffer_size`` consecutive records of a file, as ``build_dataset`` does (default 10000; a
   small buffer of 100 is shown too);
 * greedy first-fit in arrival order (every bin stays open; what a streaming packer without a buffer does);
 * first-fit decreasing over the whole data set (multipack-style samplers; needs the whole data set first);
-* ``concat`` (:func:`pipelines.packing.pack_samples` with ``concat``): samples are split across rows.
+* ``concat`` (:func:`pipelines.stream.packing.pack_samples` with ``concat``): samples are split across rows.
 
 Oversize samples follow the pipeline's default policy (``truncate``) for every strategy but ``concat``.
 
@@ -40,11 +40,11 @@ UNIT_RECORDS = {BFD_DEFAULT: 10000, BFD_SMALL: 100, CONCAT: 10000}
 
 
 def tokenize_all(data_path: Path, tokenizer: Path) -> Any:
-    """All samples of one file as :class:`pipelines.packing.Samples`, in file order, untruncated."""
+    """All samples of one file as :class:`pipelines.stream.packing.Samples`, in file order, untruncated."""
     from pipelines.config import config_from_dict
-    from pipelines.dataset import iter_packed_local
-    from pipelines.packing import Samples
     from pipelines.stats import StatsSink
+    from pipelines.stream.dataset import iter_packed_local
+    from pipelines.stream.packing import Samples
 
     cfg = config_from_dict({"model": {"tokenizer": str(tokenizer)},
                             "data": {"datasets": [{"path": str(data_path), "type": "alpaca"}],
@@ -61,15 +61,15 @@ def tokenize_all(data_path: Path, tokenizer: Path) -> Any:
 
 
 def _subset(s: Any, idx: np.ndarray | list[int]) -> Any:
-    from pipelines.packing import Samples
+    from pipelines.stream.packing import Samples
 
     return Samples(s.sample_ids[idx], [s.ids[i] for i in idx], [s.labels[i] for i in idx])
 
 
 def _pack_units(s: Any, strategy: str, seq: int, buffer: int) -> tuple[list[np.ndarray], list[np.ndarray], Any]:
     """The pipeline's own packing, unit by unit: (row token arrays, row sample-id arrays, counts)."""
-    from pipelines.packing import PackOptions, pack_samples
     from pipelines.stats import Counts
+    from pipelines.stream.packing import PackOptions, pack_samples
 
     counts = Counts()
     rows_ids: list[np.ndarray] = []
@@ -82,8 +82,8 @@ def _pack_units(s: Any, strategy: str, seq: int, buffer: int) -> tuple[list[np.n
 
 
 def _fit(s: Any, seq: int) -> tuple[Any, Any]:
-    from pipelines.packing import PackOptions, fit_to_length
     from pipelines.stats import Counts
+    from pipelines.stream.packing import PackOptions, fit_to_length
 
     counts = Counts()
     return fit_to_length(s, PackOptions("bfd", seq), counts), counts

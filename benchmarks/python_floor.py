@@ -10,7 +10,7 @@ Rust thread: ``RAYON_NUM_THREADS=1``), on B2's data (``benchmarks/run.py`` write
 CPU that such a pipeline spends besides encoding. Steps, per pass over the records:
 
 * ``json``: ``json.loads`` of every line;
-* ``format``: the Alpaca prompt and trained spans (:class:`pipelines.formats.AlpacaFormat`);
+* ``format``: the Alpaca prompt and trained spans (:class:`pipelines.sources.formats.AlpacaFormat`);
 * ``encode``: ``encode_batch_fast``, 512 texts per call (the reference);
 * ``ids``: ``[e.ids for e in encodings]`` and one ``np.fromiter`` into int32 (what ``Tokenizer._from_ids``
   does);
@@ -74,7 +74,7 @@ def main() -> None:
     from tokenizers import Tokenizer
 
     from pipelines.config import DataConfig, DatasetConfig
-    from pipelines.formats import AlpacaFormat
+    from pipelines.sources.formats import AlpacaFormat
 
     files = jsonl_files(args.data)
     if not files:

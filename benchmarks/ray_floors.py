@@ -20,7 +20,7 @@ None of the first four does any pipeline work, so what they measure is Ray and R
 * ``build_dataset, actors``: the same with ``placement: actors``, the tokenizer in a 1-actor pool;
 * ``build_dataset, env as runtime_env``: that pool with its environment given as a ``runtime_env`` (as
   before 2026-12-02), which makes Ray start a new worker process for the actor through its runtime-env
-  agent instead of handing it an idle one (``pipelines.dataset.tokenizer_env``).
+  agent instead of handing it an idle one (``pipelines.stream.dataset.tokenizer_env``).
 
 Ratios are not targets here; the table says how much of a first-row time is Ray's before any of ours.
 """
@@ -104,7 +104,7 @@ def run_case(case: str, data_dir: str | None) -> dict[str, float]:
         from benchlib import GPT2
 
         from pipelines.config import config_from_dict
-        from pipelines.dataset import build_dataset
+        from pipelines.stream.dataset import build_dataset
 
         data: dict[str, Any] = {"datasets": [{"path": data_dir, "format": "jsonl", "type": "alpaca"}]}
         if case in (ACTORS, OLD_ENV):

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/reopen.py [--root CHECKOUT] [--sources 2] [--epochs 4] [--repeats 1]
 
 One local Ray on 2 CPUs. For each epoch, for each source: ``build_dataset(cfg, epoch=e, datasets=[s])`` (what
-``pipelines.feeder.StreamPlan.open`` calls), read to the end, its counters checked against the rows read, and
+``pipelines.stream.feeder.StreamPlan.open`` calls), read to the end, its counters checked against the rows read, and
 the dataset kept (the feeder keeps every stream it opened, for its report). Reports the time from
 ``build_dataset`` to each stream's first packed row, and what is left at the end: the ``DataStats`` (counters)
 worker processes and their summed RSS, and the process tree's size. Sources: one B2 shard each (999 Alpaca
@@ -32,8 +32,8 @@ def one_run(data: Path, sources: int, epochs: int) -> dict[str, Any]:
     from benchlib import iter_ray_blocks
 
     from pipelines.config import config_from_dict
-    from pipelines.dataset import build_dataset, data_report
     from pipelines.ray_local import init_local
+    from pipelines.stream.dataset import build_dataset, data_report
 
     files = sorted(data.glob("*.jsonl"))[:sources]
     assert len(files) == sources, f"{data} holds {len(files)} JSONL shards, {sources} wanted"

@@ -3,7 +3,7 @@
 For 10%, 50% and 90% of an epoch over the same data (Alpaca demo replicated into JSONL shards,
 GPT-2 tokenizer, bfd packing), each run in a Ray instance of its own:
 
-* ours: the :class:`~pipelines.dataset.ResumePoint` a checkpoint at that position holds (file,
+* ours: the :class:`~pipelines.stream.dataset.ResumePoint` a checkpoint at that position holds (file,
   unit start, rows of the unit done) -> ``build_dataset(start=...)`` -> time to the first row;
 * skip-based (what transformers' Trainer and many loaders do): ``build_dataset`` from the start,
   rows read and dropped until the position -> time to the first row after it.
@@ -72,14 +72,14 @@ def _first_row_s(ds) -> float:
 
 def _ours(cfg, n_files: int, frac: float) -> float:
     """Resume point of a checkpoint at ``frac``: the file there, second unit, 3 of its rows done."""
-    from pipelines.dataset import ResumePoint, build_dataset
+    from pipelines.stream.dataset import ResumePoint, build_dataset
 
     point = ResumePoint(epoch=0, file_pos=int(frac * n_files), row=500, byte=-1, skip_rows=3)
     return _first_row_s(build_dataset(cfg, start=point))
 
 
 def _skip(cfg, total_rows: int, frac: float) -> float:
-    from pipelines.dataset import build_dataset
+    from pipelines.stream.dataset import build_dataset
 
     target = int(frac * total_rows)
     t0 = time.perf_counter()
@@ -110,7 +110,7 @@ def main() -> None:
             ray.shutdown()
 
     cfg = _config(data)
-    from pipelines.dataset import build_dataset
+    from pipelines.stream.dataset import build_dataset
 
     total_rows = fresh(lambda: build_dataset(cfg).count())
     fracs = (0.1, 0.5, 0.9)

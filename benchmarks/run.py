@@ -303,7 +303,7 @@ def b3_md(b3: dict[str, Any]) -> str:
     if load_rows:
         table += ("\n\nCold start of one tokenizer process (what each tokenizer actor pays before its first batch; "
                   "peers pay it once, before their clock starts):\n\n" + bl.md_table(
-                      ["environment", "import pipelines.tokenize s", "import transformers s", "AutoTokenizer.from_pretrained s",
+                      ["environment", "import pipelines.tokenize.stage s", "import transformers s", "AutoTokenizer.from_pretrained s",
                        "tokenizers.Tokenizer.from_file alone s", "torch imported", ""], load_rows))
     marg = b3.get("marginal", {})
     text = ", ".join(f"{B3_LABELS[k]} {bl.fmt_rate(v)} tok/s" for k, v in marg.items())
@@ -674,7 +674,7 @@ def write_report(ctx: dict[str, Any], out_md: Path, plots: list[str], plot_rel: 
         f"- data (B1-B3): the real Alpaca demo (`../shared/data/sft/alpaca_en_demo.json`, 999 records, 0.86 MB) "
         f"replicated to {d.get('records')} records = {d.get('bytes', 0) / 1e6:.1f} MB, as {d.get('files')} "
         "JSONL shards of one copy each; every system formats records with the same Alpaca prompt "
-        "(`pipelines.formats`) + EOS. B4: the Alpaca demo and LIMA as they are.",
+        "(`pipelines.sources.formats`) + EOS. B4: the Alpaca demo and LIMA as they are.",
         "- tokenizers: GPT-2 (`../shared/data/tokenizers/gpt2`) everywhere; SmolLM2-135M-Instruct too in B4",
         f"- repeats: median of {ctx['repeats']} runs per system (each run a fresh process; B1: median of passes); "
         "pool-sweep settings other than the default and the best: 1 run each",

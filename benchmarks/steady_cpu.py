@@ -67,8 +67,8 @@ def one_pass(data: Path, driver_cpu_before: float = 0.0) -> dict[str, Any]:
     from ingest import ours_params
     from systems import _ours_config
 
-    from pipelines.dataset import build_dataset
     from pipelines.ray_local import init_local
+    from pipelines.stream.dataset import build_dataset
 
     cfg = _ours_config(ours_params(data, 2))
     init_local(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)

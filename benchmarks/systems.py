@@ -8,7 +8,7 @@ Prints one line ``BENCH_RESULT {json}``. Timing keys (seconds, ``time.perf_count
 * ``steady_tok_s`` tokens after the first batch / time after the first batch ("steady state")
 * ``e2e_tok_s``   all tokens / ``total_s``
 
-Every system gets the same text: the Alpaca prompt of :mod:`pipelines.formats` followed by EOS.
+Every system gets the same text: the Alpaca prompt of :mod:`pipelines.sources.formats` followed by EOS.
 Peers do *less* work than ``build_dataset`` (no label masks, and no packing except the eager path),
 so ratios in our favour are conservative.
 """
@@ -32,7 +32,7 @@ def emit(result: dict[str, Any]) -> None:
 
 
 def alpaca_text(rec: dict[str, Any], eos: str) -> str:
-    from pipelines.formats import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT
+    from pipelines.sources.formats import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT
 
     inp = rec.get("input") or ""
     if inp.strip():
@@ -134,10 +134,10 @@ def sys_raw(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def sys_load(p: dict[str, Any]) -> dict[str, Any]:
-    """Cold start of a tokenizer process: import + load, the way ours' actors do it (``pipelines.tokenize``)
+    """Cold start of a tokenizer process: import + load, the way ours' actors do it (``pipelines.tokenize.stage``)
     and with ``tokenizers`` alone. The parent sets USE_TORCH etc. to compare."""
     t0 = time.perf_counter()
-    import pipelines.tokenize  # noqa: F401
+    import pipelines.tokenize.stage  # noqa: F401
     t1 = time.perf_counter()
     from transformers import AutoTokenizer
 
@@ -211,8 +211,8 @@ def sys_ours(p: dict[str, Any]) -> dict[str, Any]:
     me = psutil.Process()
     baseline = sum(pr.memory_info().rss for pr in [me, *me.children(recursive=True)])
 
-    from pipelines.dataset import build_dataset, data_report
     from pipelines.stats import efficiency
+    from pipelines.stream.dataset import build_dataset, data_report
 
     clock = Clock()
     ds = build_dataset(cfg, split="train")
@@ -239,8 +239,8 @@ def sys_ours(p: dict[str, Any]) -> dict[str, Any]:
 
 def sys_ours_local(p: dict[str, Any]) -> dict[str, Any]:
     """``iter_packed_local``: the same stages in this one process, no Ray (reference)."""
-    from pipelines.dataset import iter_packed_local
     from pipelines.stats import StatsSink, efficiency
+    from pipelines.stream.dataset import iter_packed_local
 
     cfg = _ours_config(p)
     sink = StatsSink()
@@ -263,7 +263,7 @@ def sys_stage(p: dict[str, Any]) -> dict[str, Any]:
     inside ``iter_packed_local``). Threads: ``data.tokenize.threads`` =
     RAYON_NUM_THREADS (set by the parent).
     """
-    import pipelines.dataset as pd
+    import pipelines.stream.dataset as pd
     from pipelines.stats import StatsSink
 
     timers = {"encode_s": 0.0, "python_s": 0.0, "pack_s": 0.0}

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 import ray  # noqa: E402
 
-import pipelines.dataset as dataset_mod  # noqa: E402
+import pipelines.stream.dataset as dataset_mod  # noqa: E402
 from pipelines.config import config_from_dict  # noqa: E402
 
 EVENTS = Path(tempfile.gettempdir()) / f"pipelines-ttfb-{os.getpid()}.jsonl"

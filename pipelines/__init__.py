@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pipelines.config import Config, ConfigError, load_config
-    from pipelines.dataset import build_dataset, data_report
-    from pipelines.sources import locate_sample
+    from pipelines.sources.listing import locate_sample
+    from pipelines.stream.dataset import build_dataset, data_report
     from pipelines.train.trainer import build_trainer
 
 # Resolved on first use, so importing one module (e.g. pipelines.train.collate in
 # benchmarks/gpu_check.py, on a GPU box without Ray) does not import Ray through this package.
 _HOMES = {"Config": "pipelines.config", "ConfigError": "pipelines.config", "load_config": "pipelines.config",
-          "build_dataset": "pipelines.dataset", "data_report": "pipelines.dataset",
-          "locate_sample": "pipelines.sources", "build_trainer": "pipelines.train.trainer"}
+          "build_dataset": "pipelines.stream.dataset", "data_report": "pipelines.stream.dataset",
+          "locate_sample": "pipelines.sources.listing", "build_trainer": "pipelines.train.trainer"}
 
 __all__ = ["Config", "ConfigError", "build_dataset", "build_trainer", "data_report", "load_config", "locate_sample"]
 

@@ -223,7 +223,7 @@ def demo_generations(model_dir: str, n: int = 6, seed: int = 12345) -> list[tupl
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipelines.formats import ALPACA_PROMPT
+    from pipelines.sources.formats import ALPACA_PROMPT
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -12,7 +12,7 @@ raw (default)
 --tokenize
     Tokenized once with the config's tokenizer, dataset types and templates (``data.datasets``), so
     training runs and epochs skip tokenization. Writes ``input_ids``, ``labels`` (ndarray:int32) and
-    ``source_sample_id`` (int64; pipelines.sources.locate_sample style id of the source record), plus
+    ``source_sample_id`` (int64; pipelines.sources.listing.locate_sample style id of the source record), plus
     ``tokenized.json`` next to ``index.json``: tokenizer name and sha256 of its tokenizer.json,
     dataset types/templates, sequence_len and the source paths. ``build_dataset`` reads such a set
     like any MDS source (``format: mds``), skips tokenization, and refuses it if ``model.tokenizer``
@@ -46,7 +46,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 
 from pipelines.config import Config, ConfigError, DataConfig, DatasetConfig, StorageConfig, load_config  # noqa: E402
-from pipelines.sources import SourceError, SourceFile, SourceTable, resolve_dataset, resolve_sources  # noqa: E402
+from pipelines.sources.listing import SourceError, SourceFile, SourceTable, resolve_dataset, resolve_sources  # noqa: E402
 from pipelines.storage import StorageError, StorageOptions  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -125,7 +125,7 @@ def first_records(table: SourceTable, opts: Any, n: int) -> list[str]:
     """The first ``n`` records of the first file, as the JSON strings the read stage makes of them."""
     from itertools import islice
 
-    from pipelines.datasource import read_all_records
+    from pipelines.sources.datasource import read_all_records
 
     first = SourceTable(table.files[:1], table.datasets, table.storage)
     return [rec for _, rec in islice(read_all_records(first, opts), n)]
@@ -133,7 +133,7 @@ def first_records(table: SourceTable, opts: Any, n: int) -> list[str]:
 
 def choose_columns(table: SourceTable, records: list[str], given: dict[str, str]) -> dict[str, str]:
     """Encodings from the first records (:func:`first_records`), overridden by ``given``."""
-    from pipelines.mds_sink import infer_columns
+    from pipelines.mds.writer import infer_columns
 
     if not records:
         raise SourceError(f"{table.files[0].url}: no records to choose column encodings from")
@@ -152,7 +152,7 @@ def rows_per_part(records: list[str], size_limit: int, unit_records: int | None 
     Example: records of 1,800 bytes, ``--size-limit 64mb`` -> 74,566 rows a part (``4mb``: 4,661); in
     units of 4,096 records, 19.
     """
-    from pipelines.datasource import MAX_UNIT_BYTES
+    from pipelines.sources.datasource import MAX_UNIT_BYTES
 
     if not records:
         return None
@@ -173,8 +173,8 @@ def _keep_tokenized(batch: pa.Table) -> pa.Table:
 
 def tokenized_meta(cfg: Config, table: SourceTable) -> dict[str, Any]:
     """What produced a tokenized set (written as tokenized.json); checked by build_dataset."""
-    from pipelines.formats import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, ALPACA_TURN
-    from pipelines.tokenizer import load_tokenizer, tokenizer_sha256
+    from pipelines.sources.formats import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, ALPACA_TURN
+    from pipelines.tokenize.tokenizer import load_tokenizer, tokenizer_sha256
 
     hf = load_tokenizer(cfg.model)
     return {
@@ -198,11 +198,11 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
     """Run one conversion; returns what was written (rows, shards, parts, seconds)."""
     import ray
 
-    from pipelines.dataset import read_concurrency, tokenizer_stage
-    from pipelines.datasource import ReadOptions, ShardDatasource
-    from pipelines.mds_sink import MDSDatasink, parse_size
+    from pipelines.mds.writer import MDSDatasink, parse_size
+    from pipelines.sources.datasource import ReadOptions, ShardDatasource
     from pipelines.stats import StatsSink, format_report, stats_sink
-    from pipelines.units import READ_BLOCK_BYTES
+    from pipelines.stream.dataset import read_concurrency, tokenizer_stage
+    from pipelines.stream.units import READ_BLOCK_BYTES
 
     t0 = time.perf_counter()
     cfg = load_config(args.config, args.overrides) if args.config else None
@@ -259,8 +259,8 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from pipelines.datasource import BadRecordError
-    from pipelines.mds_index import MDSError
+    from pipelines.mds.index import MDSError
+    from pipelines.sources.datasource import BadRecordError
 
     try:
         init_ray()

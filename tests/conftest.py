@@ -124,7 +124,7 @@ def write_jsonl(path: Path, records: list) -> Path:
 
 def read_op(ds):
     """The read operator of a dataset's plan: ``compute.size`` caps its tasks at once, ``parallelism`` is how
-    many it asks for, ``datasource`` is the :class:`pipelines.datasource.ShardDatasource`."""
+    many it asks for, ``datasource`` is the :class:`pipelines.sources.datasource.ShardDatasource`."""
     from ray.data._internal.logical.operators.read_operator import Read
 
     op = ds._logical_plan.dag

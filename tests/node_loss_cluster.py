@@ -104,7 +104,7 @@ class Chaos:
             # (the ledger is written ahead), so wait for its directory too: killed before that, the run
             # restores checkpoint 1 (correct, but no test of a mid-epoch restore).
             _wait("the second checkpoint", lambda: self._steps() >= 4 and max(self._checkpoints(), default=0) >= 4)
-            feeder = set(_actors("Feeder").values())  # pipelines.feeder.DataFeeder: the Feeder class as an actor
+            feeder = set(_actors("Feeder").values())  # pipelines.stream.feeder.DataFeeder: the Feeder class as an actor
             tokenizers = set(_actors("MapWorker"))
             self._event(train_worker_nodes=sorted(self.label(n) for n in _actors("RayTrainWorker").values()),
                         feeder_node=sorted(self.label(n) for n in feeder))

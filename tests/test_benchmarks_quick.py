@@ -174,7 +174,7 @@ def test_b4_split_share_is_measured_from_the_rows(monkeypatch):
     and a packer that did split would be reported (the column is not a constant)."""
     import numpy as np
 
-    from pipelines.packing import Samples
+    from pipelines.stream.packing import Samples
 
     spec = importlib.util.spec_from_file_location("packing_bench", ROOT / "benchmarks" / "packing_bench.py")
     pb = importlib.util.module_from_spec(spec)
@@ -189,7 +189,7 @@ def test_b4_split_share_is_measured_from_the_rows(monkeypatch):
         assert rows[name]["split_share"] == 0 and rows[name]["truncated_share"] == 0, rows[name]
         assert sum(rows[name]["row_lengths"]) == sum(lengths)  # every token placed, none cut
 
-    import pipelines.packing as packing
+    import pipelines.stream.packing as packing
 
     real = packing.pack_samples
 
@@ -226,7 +226,7 @@ def test_ray_floors_old_env_case_gives_the_pool_a_runtime_env(ray_local, tmp_pat
     from conftest import ALPACA, make_config, write_jsonl
     from ray.data._internal.logical.operators.map_operator import MapBatches
 
-    from pipelines.dataset import build_dataset, tokenizer_env
+    from pipelines.stream.dataset import build_dataset, tokenizer_env
 
     path = write_jsonl(tmp_path / "a.jsonl", json.loads(ALPACA.read_text(encoding="utf-8"))[:20])
     cfg = make_config([{"path": str(path), "type": "alpaca"}],

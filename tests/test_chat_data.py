@@ -23,10 +23,10 @@ import pytest
 from chat_families import FAMILIES, agent_trace, control_strings, family_tokenizer
 from conftest import SMOLLM2, make_config, needs_shared, trained_runs, write_jsonl
 
-from pipelines.datasource import ReadOptions, read_files
-from pipelines.sources import resolve_sources
+from pipelines.sources.datasource import ReadOptions, read_files
+from pipelines.sources.listing import resolve_sources
 from pipelines.stats import StatsSink
-from pipelines.tokenize import IGNORE_INDEX, Tokenizer
+from pipelines.tokenize.stage import IGNORE_INDEX, Tokenizer
 
 pytestmark = needs_shared
 

@@ -19,9 +19,9 @@ from chat_families import agent_traces, family_tokenizer
 from conftest import GLAIVE, make_config, needs_shared, write_jsonl
 
 from pipelines.config import config_from_dict
-from pipelines.dataset import build_dataset, data_report
-from pipelines.sources import split_sample_id
-from pipelines.tokenize import IGNORE_INDEX
+from pipelines.sources.listing import split_sample_id
+from pipelines.stream.dataset import build_dataset, data_report
+from pipelines.tokenize.stage import IGNORE_INDEX
 
 pytestmark = [needs_shared, pytest.mark.slow]
 

@@ -153,7 +153,7 @@ def test_control_strings_are_single_tokens(toks, family):
     assert len(emitted) >= 3
     for c in emitted:  # every occurrence in the rendering is that one token
         assert encoded.count(ids[c]) == text.count(c), c
-    # the pipeline's direct loader (tokenizers alone, pipelines/tokenizer.py) encodes the same
+    # the pipeline's direct loader (tokenizers alone, pipelines/tokenize/tokenizer.py) encodes the same
     rust = RustTokenizer.from_file(str(Path(tok.name_or_path) / "tokenizer.json"))
     assert rust.encode(text, add_special_tokens=False).ids == encoded
 

@@ -15,13 +15,13 @@ import json
 import pytest
 from conftest import GLAIVE, SMOLLM2, make_config, needs_shared, trained_runs, write_jsonl
 
-from pipelines.chat_template import tools_system_text
-from pipelines.datasource import ReadOptions, read_files
 from pipelines.errors import RecordError
-from pipelines.formats import make_formatter
-from pipelines.sources import resolve_sources
+from pipelines.sources.chat_template import tools_system_text
+from pipelines.sources.datasource import ReadOptions, read_files
+from pipelines.sources.formats import make_formatter
+from pipelines.sources.listing import resolve_sources
 from pipelines.stats import StatsSink
-from pipelines.tokenize import IGNORE_INDEX, Tokenizer
+from pipelines.tokenize.stage import IGNORE_INDEX, Tokenizer
 
 pytestmark = needs_shared
 

@@ -262,7 +262,7 @@ def placement_problems(cfg: Config, groups: list[NodeGroup]) -> list[str]:
     trainer_request = dict(
         cfg.scaling.resources_per_worker or {"CPU": 1.0, "GPU": float(cfg.scaling.use_gpu)}
     )
-    # A mix streams its sources side by side, one tokenizer pool each (pipelines.feeder.StreamPlan).
+    # A mix streams its sources side by side, one tokenizer pool each (pipelines.stream.feeder.StreamPlan).
     streams = len(cfg.data.datasets) if cfg.data.mix_by != "none" else 1
     pools = {
         "tokenizer": ({"CPU": tok.num_cpus, **tok.resources},

@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipelines.config import ConfigError, config_from_dict
-from pipelines.datasource import ReadOptions, group_files, in_eval_split, read_files
-from pipelines.formats import ALPACA_PROMPT_NO_INPUT, Formatted, make_formatter
-from pipelines.packing import PackOptions, Samples, best_fit_decreasing, concat_rows, pack_samples
-from pipelines.sources import SourceFile, make_sample_id, resolve_sources, split_sample_id
+from pipelines.sources.datasource import ReadOptions, group_files, in_eval_split, read_files
+from pipelines.sources.formats import ALPACA_PROMPT_NO_INPUT, Formatted, make_formatter
+from pipelines.sources.listing import SourceFile, make_sample_id, resolve_sources, split_sample_id
 from pipelines.stats import Counts, StatsSink
-from pipelines.tokenize import IGNORE_INDEX, Tokenizer
+from pipelines.stream.packing import PackOptions, Samples, best_fit_decreasing, concat_rows, pack_samples
+from pipelines.tokenize.stage import IGNORE_INDEX, Tokenizer
 
 # ----------------------------------------------------------------------------- packing
 
@@ -318,7 +318,7 @@ def _unit_batch(unit_id: int, rows: list[list[int]], skip: int = 0) -> pa.Table:
 
 
 def test_packer_packs_each_unit_alone_and_skips_resumed_rows():
-    from pipelines.packing import PACKED_SCHEMA, Packer
+    from pipelines.stream.packing import PACKED_SCHEMA, Packer
 
     sink = StatsSink()
     packer = Packer(PackOptions("bfd", 4), sink)
@@ -339,7 +339,7 @@ def test_packer_packs_each_unit_alone_and_skips_resumed_rows():
 
 
 def test_packer_refuses_a_split_unit():
-    from pipelines.packing import Packer
+    from pipelines.stream.packing import Packer
 
     half = _unit_batch(0, [[1], [2], [3], [4]]).slice(0, 2)
     with pytest.raises(RuntimeError, match="arrived split"):

@@ -13,8 +13,8 @@ import pytest
 from conftest import write_jsonl
 
 from pipelines.config import config_from_dict
-from pipelines.resume import Ledger, sample_counts
-from pipelines.sources import make_sample_id
+from pipelines.sources.listing import make_sample_id
+from pipelines.stream.state import Ledger, sample_counts
 
 N = 16
 pytestmark = pytest.mark.timeout(900)

@@ -17,8 +17,8 @@ import pytest
 from conftest import write_jsonl
 
 from pipelines.config import config_from_dict
-from pipelines.resume import Ledger, sample_counts
-from pipelines.sources import make_sample_id, split_sample_id
+from pipelines.sources.listing import make_sample_id, split_sample_id
+from pipelines.stream.state import Ledger, sample_counts
 
 N_SAMPLES, N_FILES = 600, 3
 pytestmark = pytest.mark.timeout(900)

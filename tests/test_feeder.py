@@ -9,8 +9,8 @@ from __future__ import annotations
 import ray
 from conftest import make_config, write_jsonl
 
-from pipelines.feeder import FeederClient, start_feeder
-from pipelines.resume import Ledger, sample_counts
+from pipelines.stream.feeder import FeederClient, start_feeder
+from pipelines.stream.state import Ledger, sample_counts
 
 N_FILES, PER_FILE = 4, 120
 
@@ -106,7 +106,7 @@ def test_restore_forgets_uncommitted_steps_in_the_ledger(tmp_path, ray_local):
 
 def test_pools_short_counts_every_mixed_source_at_its_smallest_pool():
     from pipelines.config import TokenizeConfig
-    from pipelines.dataset import tokenizer_pools_short
+    from pipelines.stream.dataset import tokenizer_pools_short
 
     pinned = TokenizeConfig(num_actors=1, num_cpus=0.25, resources={"cpu_node": 1})
     # two sources, one cpu_node slot: the second pool can never start (tests/test_node_loss.py's old cluster)
@@ -121,17 +121,17 @@ def test_pools_short_counts_every_mixed_source_at_its_smallest_pool():
 
 
 def test_feeder_warns_when_the_cluster_cannot_start_every_mixed_pool(tmp_path, ray_local, caplog):
-    from pipelines.feeder import StreamPlan
+    from pipelines.stream.feeder import StreamPlan
 
     paths = [write_jsonl(tmp_path / f"{name}.jsonl", [{"text": f"{name} {i}"} for i in range(5)])
              for name in ("a", "b")]
     datasets = [{"path": str(p), "type": "completion", "weight": 1.0} for p in paths]
     pinned = {"num_actors": 1, "num_cpus": 0.25, "resources": {"cpu_node": 1}}
-    with caplog.at_level("WARNING", logger="pipelines.feeder"):
+    with caplog.at_level("WARNING", logger="pipelines.stream.feeder"):
         StreamPlan(make_config(datasets, tokenize=pinned), "train")
     assert "2 mixed sources" in caplog.text and "cpu_node: 2 needed, 0 in the cluster" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="pipelines.feeder"):
+    with caplog.at_level("WARNING", logger="pipelines.stream.feeder"):
         StreamPlan(make_config(datasets, tokenize={"num_actors": 1, "num_cpus": 0.25}), "train")  # 0.5 of 2 CPUs
         StreamPlan(make_config(datasets[:1], tokenize=pinned), "train")  # one source: placement is Ray's to report
     assert "mixed sources" not in caplog.text
@@ -151,7 +151,7 @@ def test_a_rank_fetches_each_block_once_and_gets_exactly_its_rows(ray_local, mon
     import pyarrow as pa
 
     from pipelines import feeder as F
-    from pipelines.feeder import BlockColumns, RankItem, RowSlice
+    from pipelines.stream.feeder import BlockColumns, RankItem, RowSlice
 
     rows = {k: _block_rows(k, 6) for k in range(3)}
     a, b, c = (ray.put(pa.table(rows[k])) for k in range(3))

@@ -13,8 +13,8 @@ import pytest
 import ray
 from test_feeder import N_FILES, PER_FILE, _config, drive
 
-from pipelines.feeder import FeederClient, start_feeder
-from pipelines.resume import Ledger, sample_counts
+from pipelines.stream.feeder import FeederClient, start_feeder
+from pipelines.stream.state import Ledger, sample_counts
 from pipelines.train.feed import resume_epoch
 
 WORLD, K = 2, 3

@@ -22,13 +22,15 @@ import pytest
 import yaml
 from conftest import ALPACA, C4, GPT2, SMOLLM2, load_ray_job, make_config, needs_shared, read_op
 
-from pipelines.dataset import all_pretokenized, build_dataset, data_report, iter_packed_local
-from pipelines.datasource import ReadOptions, read_all_records
-from pipelines.mds import MDSDatasink, MDSError, tokenizer_sha256
-from pipelines.sources import resolve_sources, split_sample_id
+from pipelines.mds.index import MDSError
+from pipelines.mds.writer import MDSDatasink
+from pipelines.sources.datasource import ReadOptions, read_all_records
+from pipelines.sources.listing import resolve_sources, split_sample_id
 from pipelines.stats import StatsSink
 from pipelines.storage import StorageOptions
-from pipelines.tokenize import IGNORE_INDEX
+from pipelines.stream.dataset import all_pretokenized, build_dataset, data_report, iter_packed_local
+from pipelines.tokenize.stage import IGNORE_INDEX
+from pipelines.tokenize.tokenizer import tokenizer_sha256
 
 pytestmark = needs_shared
 
@@ -216,7 +218,7 @@ def test_pretokenized_sets_pack_inside_the_read_tasks(ray_local, tmp_path, gpt2,
     import ray
 
     from pipelines import dataset
-    from pipelines.dataset import CheckAndPack, id_read_tasks
+    from pipelines.stream.dataset import CheckAndPack, id_read_tasks
 
     index = json.loads((root / "index.json").read_text())
     raw = sum(shard["raw_data"]["bytes"] for shard in index["shards"])  # the shards' bytes, uncompressed
@@ -274,7 +276,7 @@ def test_id_columns_give_exactly_the_rows_and_counts_of_json_records(tmp_path, g
     """A pre-tokenized set is read as Arrow id columns and checked in one vectorised pass; the JSON-record
     path it replaced (still used for mixed sets) must give the same rows, the same counters and the same
     messages for every bad sample, on real text tokenized with GPT-2."""
-    import pipelines.dataset as dataset_mod
+    import pipelines.stream.dataset as dataset_mod
 
     texts = [json.loads(line)["text"] for line in C4.read_text().splitlines()[:120]]
     root = mosaic_write(tmp_path / "labelled", _labelled_samples(gpt2, texts), "zstd", size_limit=1 << 14,
@@ -287,7 +289,7 @@ def test_id_columns_give_exactly_the_rows_and_counts_of_json_records(tmp_path, g
         rows = pa.concat_tables(iter_packed_local(cfg, sink=sink)).to_pylist()
         return rows, sink.local
 
-    from pipelines.pretokenized import IdChecker
+    from pipelines.tokenize.pretokenized import IdChecker
 
     checked = []
     check = IdChecker.__call__
@@ -315,9 +317,9 @@ def test_a_resumed_stream_reads_as_its_epoch_did(tmp_path, gpt2, monkeypatch):
     """Id-column units count id bytes, JSON units record text, so which way a stream is read must come
     from its whole epoch: resumed past its last JSONL file, a mixed stream still cuts its MDS units as
     JSON records, and gives exactly the rows the unbroken stream gave from there on."""
-    import pipelines.datasource as datasource_mod
-    from pipelines.dataset import ordered_files
-    from pipelines.units import ResumePoint, file_positions
+    import pipelines.sources.datasource as datasource_mod
+    from pipelines.stream.dataset import ordered_files
+    from pipelines.stream.units import ResumePoint, file_positions
 
     texts = [json.loads(line)["text"] for line in C4.read_text().splitlines()[:80]]
     root = mosaic_write(tmp_path / "concat", [{"tokens": c} for c in _concat_chunks(gpt2, texts, 200)], "zstd",
@@ -418,11 +420,11 @@ def test_convert_tokenize_once_then_train_from_it(ray_local, tmp_path, alpaca, c
 def test_convert_streams_into_parts_of_whole_shards_in_source_order(ray_local, tmp_path, alpaca, capsys, monkeypatch):
     """Blocks of READ_BLOCK_BYTES flow from the tokenizer to the writes as they are made; each write
     task takes at least ``rows_per_part`` rows, and the parts keep the source order."""
-    import pipelines.units
+    import pipelines.stream.units
 
     convert = load_ray_job("convert")
     # Small blocks, so the 999 Alpaca records make many (the tokenizer's output is cut at this size).
-    monkeypatch.setattr(pipelines.units, "READ_BLOCK_BYTES", 64 << 10)
+    monkeypatch.setattr(pipelines.stream.units, "READ_BLOCK_BYTES", 64 << 10)
     config = _write_config(tmp_path / "gpt2.yaml", ALPACA, GPT2)
     out = tmp_path / "parts"
     assert convert.main(["--tokenize", "--config", str(config), "--output", str(out), "--size-limit", "16kb",

@@ -21,7 +21,7 @@ def _rows(k: int = 300) -> list[dict]:
 def test_part_writer_bytes_equal_mdswriter(tmp_path, compression):
     from streaming import MDSWriter
 
-    from pipelines.mds_sink import _PartWriter
+    from pipelines.mds.writer import _PartWriter
 
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     w = _PartWriter(out=str(ours), columns=COLUMNS, compression=compression, hashes=["sha1", "xxh64"], size_limit="4kb")
@@ -41,8 +41,8 @@ def test_part_writer_bytes_equal_mdswriter(tmp_path, compression):
 def test_memory_shard_decodes_as_mosaic(tmp_path):
     from streaming import MDSWriter, StreamingDataset
 
-    from pipelines import mosaic
-    from pipelines.mds_reader import MemoryShard
+    from pipelines.mds import codec as mosaic
+    from pipelines.mds.reader import MemoryShard
 
     with MDSWriter(out=str(tmp_path), columns=COLUMNS, compression="zstd", size_limit=1 << 12) as m:
         for r in _rows():
@@ -63,7 +63,7 @@ def test_memory_shard_decodes_as_mosaic(tmp_path):
 
 def test_mds_modules_do_not_import_torch():
     """Read and write workers import the MDS modules; mosaic's package init would pull torch (seconds)."""
-    code = ("import sys, pipelines.mds_reader, pipelines.mds_sink, pipelines.mds_index\n"
+    code = ("import sys, pipelines.mds.reader, pipelines.mds.writer, pipelines.mds.index\n"
             "print(sorted(m for m in ('torch', 'transformers', 'streaming') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -72,7 +72,7 @@ def test_mds_modules_do_not_import_torch():
 
 def test_token_arrays_travel_compactly_and_exactly():
     """Token arrays of MDS samples cross the read -> tokenizer boundary as base64 of their bytes."""
-    from pipelines.records import pack_array, unpack_array
+    from pipelines.sources.records import pack_array, unpack_array
 
     rng = np.random.default_rng(0)
     for dtype in (np.int32, np.int64, np.uint16, np.dtype(">i4")):

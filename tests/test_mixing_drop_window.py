@@ -7,7 +7,7 @@ import numpy as np
 from test_mixing_resume_units import _run, _window_shares, fake_source, opener_for
 
 from pipelines.config import DataConfig
-from pipelines.mixing import Mixer, fresh_states
+from pipelines.stream.mixing import Mixer, fresh_states
 
 
 def test_default_policy_is_drop():

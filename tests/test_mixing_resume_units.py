@@ -6,10 +6,10 @@ import numpy as np
 import pyarrow.fs as pafs
 import pytest
 
-from pipelines.dataset import ResumePoint
-from pipelines.mixing import Mixer, fresh_states
-from pipelines.resume import DataState, Ledger, LedgerEntry, SourceState, point_after, sample_counts
-from pipelines.sources import make_sample_id
+from pipelines.sources.listing import make_sample_id
+from pipelines.stream.dataset import ResumePoint
+from pipelines.stream.mixing import Mixer, fresh_states
+from pipelines.stream.state import DataState, Ledger, LedgerEntry, SourceState, point_after, sample_counts
 
 
 def fake_source(source: int, lengths: list[int], unit: int = 10):

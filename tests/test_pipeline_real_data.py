@@ -28,10 +28,10 @@ from conftest import (
     write_jsonl,
 )
 
-from pipelines.dataset import build_dataset, data_report
-from pipelines.sources import locate_sample, split_sample_id
+from pipelines.sources.listing import locate_sample, split_sample_id
 from pipelines.stats import efficiency
-from pipelines.tokenize import IGNORE_INDEX
+from pipelines.stream.dataset import build_dataset, data_report
+from pipelines.tokenize.stage import IGNORE_INDEX
 
 pytestmark = needs_shared
 

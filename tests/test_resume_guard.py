@@ -17,7 +17,7 @@ import pytest
 from conftest import write_jsonl
 
 from pipelines.config import config_from_dict
-from pipelines.resume import (
+from pipelines.stream.state import (
     DATA_STATE_VERSION,
     DataState,
     DataStateError,
@@ -82,7 +82,7 @@ def test_fingerprint_covers_files_tokenizer_and_weights_but_not_speed_knobs(tmp_
 
 
 def test_fingerprint_tokenizer_identity_and_chat_template(tmp_path):
-    from pipelines.tokenizer import resolve_tokenizer_path
+    from pipelines.tokenize.tokenizer import resolve_tokenizer_path
 
     src = Path(resolve_tokenizer_path(_cfg(tmp_path).model))
     copy = tmp_path / "tok"

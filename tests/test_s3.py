@@ -22,10 +22,11 @@ from conftest import ALPACA, load_ray_job, make_config, needs_shared
 from conftest_s3 import FAKE_SECRET, FaultProxy, MotoServer, free_port
 
 from pipelines.config import StorageConfig
-from pipelines.dataset import build_dataset, iter_packed_local
-from pipelines.mds import MDSDatasink, MDSError
-from pipelines.sources import SourceError, resolve_sources, split_sample_id
+from pipelines.mds.index import MDSError
+from pipelines.mds.writer import MDSDatasink
+from pipelines.sources.listing import SourceError, resolve_sources, split_sample_id
 from pipelines.storage import StorageError, StorageOptions
+from pipelines.stream.dataset import build_dataset, iter_packed_local
 
 pytestmark = needs_shared
 

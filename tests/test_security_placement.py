@@ -37,7 +37,7 @@ import sys, threading
 sys.path.insert(0, sys.argv[1])
 import ray
 from conftest import ALPACA, RAY_LOCAL_INIT, make_config
-from pipelines.dataset import build_dataset
+from pipelines.stream.dataset import build_dataset
 from pipelines.ray_local import init_local
 
 init_local(**RAY_LOCAL_INIT, resources={"cpu_node": 1})

@@ -6,9 +6,9 @@ import itertools
 
 import numpy as np
 
-from pipelines.packing import Rows, shuffle_rows
 from pipelines.seeds import file_order, stream_epoch, unit_shuffle_seed
-from pipelines.sources import make_sample_id
+from pipelines.sources.listing import make_sample_id
+from pipelines.stream.packing import Rows, shuffle_rows
 
 
 def _perm(seed: int, epoch: int, unit_id: int, n: int = 16) -> tuple[int, ...]:

@@ -15,8 +15,8 @@ from itertools import zip_longest
 
 from conftest import ALPACA, GPT2, LIMA, RAY_LOCAL_INIT, ROOT, make_config, needs_shared
 
-from pipelines.dataset import build_dataset, data_report, iter_packed_local
 from pipelines.stats import StatsSink
+from pipelines.stream.dataset import build_dataset, data_report, iter_packed_local
 
 pytestmark = needs_shared
 
@@ -65,7 +65,7 @@ import json, sys
 sys.path.insert(0, {root!r})
 import ray
 from pipelines.config import config_from_dict
-from pipelines.dataset import build_dataset, data_report
+from pipelines.stream.dataset import build_dataset, data_report
 from pipelines.ray_local import init_local
 cfg = config_from_dict({cfg!r})
 out = []

@@ -11,8 +11,8 @@ import pytest
 from conftest import ALPACA, GPT2, SMOLLM2, make_config, needs_shared, write_jsonl
 
 from pipelines.config import ModelConfig
-from pipelines.tokenize import byte_spans
-from pipelines.tokenizer import load_backend, load_tokenizer, shared_tokenizer
+from pipelines.tokenize.stage import byte_spans
+from pipelines.tokenize.tokenizer import load_backend, load_tokenizer, shared_tokenizer
 
 
 def _texts() -> list[str]:
@@ -94,9 +94,9 @@ def test_non_chat_tokenizer_stage_does_not_import_transformers():
     code = f"""
 import sys
 from pipelines.config import config_from_dict
-from pipelines.sources import resolve_sources
+from pipelines.sources.listing import resolve_sources
 from pipelines.stats import StatsSink
-from pipelines.tokenize import Tokenizer
+from pipelines.tokenize.stage import Tokenizer
 cfg = config_from_dict({{"model": {{"tokenizer": "{GPT2}", "init": {{}}}},
                          "data": {{"datasets": [{{"path": "{ALPACA}", "type": "alpaca"}}]}}}}, base_dir=".")
 Tokenizer(cfg.data, cfg.model, resolve_sources(cfg), StatsSink())
@@ -119,10 +119,10 @@ import os, sys
 os.environ.update(RAYON_NUM_THREADS="7", TOKENIZERS_PARALLELISM="true")
 os.environ.pop("USE_TORCH", None)
 from pipelines.config import config_from_dict
-from pipelines.dataset import tokenizer_env
-from pipelines.sources import resolve_sources
+from pipelines.stream.dataset import tokenizer_env
+from pipelines.sources.listing import resolve_sources
 from pipelines.stats import StatsSink
-from pipelines.tokenize import Tokenizer
+from pipelines.tokenize.stage import Tokenizer
 cfg = config_from_dict({{"model": {{"tokenizer": "{SMOLLM2}", "init": {{}}}},
                          "data": {{"datasets": [{{"path": "{data}", "type": "chat_template"}}]}}}}, base_dir=".")
 tok = Tokenizer(cfg.data, cfg.model, resolve_sources(cfg), StatsSink(), 1, tokenizer_env(1))
@@ -142,7 +142,7 @@ def test_tokenizer_pool_has_no_runtime_env(ray_local, tmp_path):
     (Inside the read tasks: tests/test_tokenizer_placement.py.)"""
     from ray.data._internal.logical.operators.map_operator import MapBatches
 
-    from pipelines.dataset import build_dataset, tokenizer_env
+    from pipelines.stream.dataset import build_dataset, tokenizer_env
 
     path = write_jsonl(tmp_path / "a.jsonl", json.loads(ALPACA.read_text(encoding="utf-8"))[:20])
     cfg = make_config([{"path": str(path), "type": "alpaca"}],

@@ -18,7 +18,7 @@ import pytest
 from conftest import ALPACA, GLAIVE, GPT2, SMOLLM2, make_config, needs_shared, read_op, write_jsonl
 
 from pipelines.config import TokenizeConfig
-from pipelines.dataset import tokenizer_placement
+from pipelines.stream.dataset import tokenizer_placement
 
 ROW_COLUMNS = ["input_ids", "labels", "position_ids", "sample_ids"]
 
@@ -57,7 +57,7 @@ def _read_stage(ds):
 def test_both_placements_give_the_rows_and_counts_of_the_local_path(ray_local, tmp_path):
     """Alpaca and tool-call chats (SmolLM2's chat template: the transformers tokenizer loads in the stage),
     3 files of several units each: the same rows in the same order and the same counters, either way."""
-    from pipelines.dataset import (
+    from pipelines.stream.dataset import (
         TokenizeAndPack,
         build_dataset,
         data_report,
@@ -107,7 +107,7 @@ def test_the_read_workers_environment_stays_with_them(ray_local, tmp_path):
     not see torch."""
     import ray
 
-    from pipelines.dataset import build_dataset
+    from pipelines.stream.dataset import build_dataset
 
     @ray.remote(num_cpus=0.5)
     def probe() -> tuple[str | None, str | None]:
@@ -133,8 +133,8 @@ def test_a_tokenizer_without_transformers_runs_in_shared_read_workers(ray_local,
     environment as it was. 3 threads: a value no earlier test sets, so a leak would be visible."""
     import ray
 
-    from pipelines.dataset import TokenizeAndPack, build_dataset, iter_packed_local, read_task_args
-    from pipelines.tokenize import rust_thread_env
+    from pipelines.stream.dataset import TokenizeAndPack, build_dataset, iter_packed_local, read_task_args
+    from pipelines.tokenize.stage import rust_thread_env
 
     @ray.remote(num_cpus=0.5)
     def probe() -> tuple[str | None, str | None]:
@@ -163,9 +163,9 @@ for k in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM", "USE_TORCH"):
     os.environ.pop(k, None)
 from tokenizers import Tokenizer as RustTokenizer
 from pipelines.config import config_from_dict
-from pipelines.dataset import _pack_options, _read_options, ordered_files, read_task_stage
-from pipelines.datasource import read_files
-from pipelines.sources import resolve_sources
+from pipelines.stream.dataset import _pack_options, _read_options, ordered_files, read_task_stage
+from pipelines.sources.datasource import read_files
+from pipelines.sources.listing import resolve_sources
 from pipelines.stats import StatsSink
 
 tokenizer, data, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])

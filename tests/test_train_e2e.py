@@ -127,7 +127,7 @@ def test_pretrain_zero3_concat_export(ray_local, tmp_path):
 
 def _initial_weights(cfg) -> dict:
     """The model a run starts from (same seed and config), built without DeepSpeed."""
-    from pipelines.tokenizer import load_tokenizer
+    from pipelines.tokenize.tokenizer import load_tokenizer
     from pipelines.train.model import build_model
 
     return build_model(cfg.model, load_tokenizer(cfg.model), "sdpa").state_dict()
@@ -222,7 +222,7 @@ def test_trains_from_a_pretrained_model_directory(ray_local, tmp_path):
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from pipelines.tokenizer import load_tokenizer
+    from pipelines.tokenize.tokenizer import load_tokenizer
     from pipelines.train.step import synthetic_rows
     from pipelines.train.trainer import build_trainer
 

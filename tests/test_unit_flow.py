@@ -15,9 +15,9 @@ import pyarrow as pa
 import pytest
 from conftest import LIMA, make_config, needs_shared, read_op, write_jsonl
 
-from pipelines.datasource import read_files
+from pipelines.sources.datasource import read_files
 from pipelines.stats import StatsSink
-from pipelines.units import FIRST_UNIT_BYTES, explode_units
+from pipelines.stream.units import FIRST_UNIT_BYTES, explode_units
 
 COPIES, PACK = 5, 2000
 
@@ -34,8 +34,8 @@ def _cfg(tmp_path, placement: str = "auto"):
 
 @needs_shared
 def test_read_blocks_are_one_row_per_unit_and_first_unit_is_small(tmp_path):
-    from pipelines.dataset import _read_options
-    from pipelines.sources import resolve_sources
+    from pipelines.sources.listing import resolve_sources
+    from pipelines.stream.dataset import _read_options
 
     cfg = _cfg(tmp_path)
     table = resolve_sources(cfg)
@@ -54,7 +54,7 @@ def test_read_blocks_are_one_row_per_unit_and_first_unit_is_small(tmp_path):
 @needs_shared
 @pytest.mark.parametrize("placement", ["actors", "read_tasks"])
 def test_read_operator_emits_one_block_per_unit_and_rows_match_local(ray_local, tmp_path, placement):
-    from pipelines.dataset import build_dataset, iter_packed_local
+    from pipelines.stream.dataset import build_dataset, iter_packed_local
 
     cfg = _cfg(tmp_path, placement)
     ds = build_dataset(cfg)
@@ -78,10 +78,10 @@ def test_read_operator_emits_one_block_per_unit_and_rows_match_local(ray_local, 
 
 def _split_and_whole(cfg, order: list[int], parallelism: int, start=None):
     """Blocks and counts of ``read_files`` over the whole ``order``, and of the datasource's read tasks;
-    ``start`` (a :class:`~pipelines.dataset.ResumePoint`) resumes both as ``build_dataset`` does."""
-    from pipelines.dataset import _read_options, _start
-    from pipelines.datasource import ShardDatasource
-    from pipelines.sources import resolve_sources
+    ``start`` (a :class:`~pipelines.stream.dataset.ResumePoint`) resumes both as ``build_dataset`` does."""
+    from pipelines.sources.datasource import ShardDatasource
+    from pipelines.sources.listing import resolve_sources
+    from pipelines.stream.dataset import _read_options, _start
 
     table = resolve_sources(cfg)
     opts = _read_options(cfg, table, "train", order)
@@ -149,8 +149,8 @@ def test_feeder_skips_the_empty_block_of_a_read_task_without_units(ray_local, tm
     import ray
 
     from pipelines.config import config_from_dict
-    from pipelines.dataset import build_dataset, iter_packed_local
-    from pipelines.feeder import _chunks_of
+    from pipelines.stream.dataset import build_dataset, iter_packed_local
+    from pipelines.stream.feeder import _chunks_of
 
     write_jsonl(tmp_path / "part-0.jsonl", [{"text": f"record {i} " + "word " * (3 + i % 5)} for i in range(16)])
     cfg = config_from_dict({
@@ -168,7 +168,7 @@ def test_feeder_skips_the_empty_block_of_a_read_task_without_units(ray_local, tm
 
 
 def test_read_concurrency_follows_the_tokenizer_pool():
-    from pipelines.dataset import read_concurrency
+    from pipelines.stream.dataset import read_concurrency
 
     def cfg(**data):
         return make_config([{"path": "unused.jsonl", "type": "alpaca"}], **data)
@@ -193,7 +193,7 @@ def test_read_concurrency_follows_the_tokenizer_pool():
 
 @needs_shared
 def test_capped_reads_give_the_same_rows(ray_local, tmp_path):
-    from pipelines.dataset import build_dataset, iter_packed_local
+    from pipelines.stream.dataset import build_dataset, iter_packed_local
 
     records = json.loads(LIMA.read_text(encoding="utf-8"))[:600]
     paths = [write_jsonl(tmp_path / f"part{i}.jsonl", records[i::3]) for i in range(3)]
@@ -216,7 +216,7 @@ def test_read_tasks_that_tokenize_run_in_one_round(ray_local, tmp_path):
     run at once: one task follows another in the same slot only after a scheduling round, with its tokenizer
     pipeline to fill again. A cap set by hand keeps ``read_tasks``; an actor pool keeps them too. The rows are
     the same every way."""
-    from pipelines.dataset import build_dataset, iter_packed_local, tokenizer_placement
+    from pipelines.stream.dataset import build_dataset, iter_packed_local, tokenizer_placement
 
     records = json.loads(LIMA.read_text(encoding="utf-8"))[:600]
     paths = [write_jsonl(tmp_path / f"part{i}.jsonl", records[i::4]) for i in range(4)]
@@ -242,8 +242,8 @@ def test_a_resumed_stream_has_a_task_for_its_first_unit(tmp_path):
     """A resumed stream's first unit (full size, from the resume point) gets a task of its own too, so its
     rows leave without waiting for the next units' (B7); both tasks together read exactly the unsplit
     resumed stream: same unit blocks, the rows already trained on marked in the first, counted once."""
-    from pipelines.dataset import ResumePoint
-    from pipelines.sources import make_sample_id
+    from pipelines.sources.listing import make_sample_id
+    from pipelines.stream.dataset import ResumePoint
 
     lima = json.loads(LIMA.read_text(encoding="utf-8"))
     paths = [write_jsonl(tmp_path / f"{k}.jsonl", lima[k * 300:(k + 1) * 300]) for k in range(3)]

@@ -165,7 +165,7 @@ def skeleton(model_cfg: ModelConfig) -> torch.nn.Module | None:
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pipelines.tokenizer import load_tokenizer
+    from pipelines.tokenize.tokenizer import load_tokenizer
     from pipelines.train.model import init_config
 
     try:

@@ -33,7 +33,7 @@ state only (``exclude_frozen_parameters``): the frozen base is rebuilt from ``mo
 ``model.init`` on resume, so a checkpoint is megabytes, not a copy of the base. The adapter settings
 are saved with it and a resume under different ones is refused.
 
-``data_state`` is the feeder's :class:`~pipelines.resume.DataState` stamped with the stream's
+``data_state`` is the feeder's :class:`~pipelines.stream.state.DataState` stamped with the stream's
 fingerprint. :func:`resume_data_state` (rank 0, before the feeder starts) and :func:`check_resume`
 (the driver, before the workers start) refuse a state that cannot be read or was taken in another
 stream, naming what changed, unless ``run.on_data_change: restart``.
@@ -326,7 +326,7 @@ def restore(te: TrainEngine, resume: str, fit_id: str, storage: Any = None) -> T
 
 def data_state_problem(saved: dict[str, Any], step: int, fingerprint: dict[str, Any]) -> str | None:
     """Why ``saved`` (a checkpoint's data_state at ``step``) cannot continue the current stream, or None."""
-    from pipelines.resume import DataState, DataStateError, fingerprint_changes
+    from pipelines.stream.state import DataState, DataStateError, fingerprint_changes
 
     if not saved:
         return None if step == 0 else f"the checkpoint at step {step} has no data position"
@@ -355,7 +355,7 @@ def resume_data_state(cfg: Any, state: TrainerState, fingerprint: dict[str, Any]
     ``None``: a fresh start (no checkpoint). With ``run.on_data_change: restart`` a mismatch gives
     :meth:`DataState.restart` at the checkpoint's step and epoch, logged loudly and marked in the ledger.
     """
-    from pipelines.resume import DataState
+    from pipelines.stream.state import DataState
 
     problem = data_state_problem(state.data_state, state.step, fingerprint)
     if problem is None:

@@ -38,7 +38,7 @@ try:  # Ray Data's marker base class; without Ray (benchmarks/gpu_check.py on a 
 except ImportError:  # pragma: no cover - exercised by tests/test_gpu_check.py with Ray blocked
     NumpyBatchCollateFn = object  # type: ignore[assignment,misc]
 
-from pipelines.tokenizer import IGNORE_INDEX
+from pipelines.tokenize.tokenizer import IGNORE_INDEX
 
 CollateMode = Literal["mask", "flatten"]
 

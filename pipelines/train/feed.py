@@ -1,4 +1,4 @@
-"""Training data for one rank from the feeder (:mod:`pipelines.feeder`): step items -> micro-batches.
+"""Training data for one rank from the feeder (:mod:`pipelines.stream.feeder`): step items -> micro-batches.
 
 Rank 0 starts the ``DataFeeder`` from the checkpoint's data state and shares its handle with the
 other ranks (a ``broadcast_object_list``); the feeder dies with rank 0, so a restarted worker group
@@ -21,8 +21,8 @@ import numpy as np
 import torch.distributed as dist
 
 from pipelines.config import Config
-from pipelines.feeder import FeederClient, RankItem, start_feeder
-from pipelines.resume import DataState, DataStateError
+from pipelines.stream.feeder import FeederClient, RankItem, start_feeder
+from pipelines.stream.state import DataState, DataStateError
 
 # Feeder epochs when train.max_steps decides the end: the stream is re-read as often as needed.
 UNBOUNDED_EPOCHS = 1 << 30

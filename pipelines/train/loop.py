@@ -105,8 +105,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         ledger_root = f"{run_dir(cfg)}/ledger"
         data_state = None
         if te.rank == 0:  # the feeder's position: checked against the stream before any training
-            from pipelines.resume import Ledger, stream_fingerprint
             from pipelines.storage import StorageOptions, filesystem_for
+            from pipelines.stream.state import Ledger, stream_fingerprint
 
             fingerprint = stream_fingerprint(cfg)
             ledger = Ledger(*filesystem_for(ledger_root, StorageOptions.from_config(cfg.storage)))

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipelines.config import ModelConfig, ModelInit
-from pipelines.tokenizer import load_tokenizer  # noqa: F401  (re-exported: workers import it from here)
+from pipelines.tokenize.tokenizer import load_tokenizer  # noqa: F401  (re-exported: workers import it from here)
 from pipelines.train.collate import CollateMode
 
 if TYPE_CHECKING:

@@ -96,11 +96,11 @@ def build_trainer(
     cfg.run.storage_path = storage_root(cfg)
     feed = train_dataset is None  # the default: exactly-once rows from the feeder, built in the workers
     if feed and eval_dataset is None and has_eval(cfg):
-        from pipelines.dataset import build_dataset
+        from pipelines.stream.dataset import build_dataset
 
         eval_dataset = build_dataset(cfg, split="eval")
     if feed:  # refuse a checkpoint whose data position does not fit this stream, before any worker starts
-        from pipelines.resume import stream_fingerprint
+        from pipelines.stream.state import stream_fingerprint
         from pipelines.train.checkpoint import check_resume
 
         check_resume(cfg, stream_fingerprint(cfg))

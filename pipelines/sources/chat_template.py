@@ -51,9 +51,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pipelines.chat_messages import REASONING_KEYS, Conversation, parse_conversation
 from pipelines.config import DataConfig, DatasetConfig
 from pipelines.errors import RecordError
+from pipelines.sources.chat_messages import REASONING_KEYS, Conversation, parse_conversation
 
 __all__ = ["ChatTemplateFormat", "ControlTokens", "Pieces", "tools_system_text"]
 

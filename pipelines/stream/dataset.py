@@ -8,9 +8,9 @@ The tokenizer runs where ``data.tokenize.placement`` says (:func:`tokenizer_plac
 actors, or inside the read tasks (:func:`read_task_stage`: no actor to start, a unit's records never
 cross the object store, and the tokenizer keeps encoding from one unit to the next). A set that is all
 token ids (pre-tokenized MDS) always takes the second way: its read blocks hold the ids as Arrow list
-columns, and their check (:class:`pipelines.pretokenized.IdChecker`) and packing run inside the read tasks.
+columns, and their check (:class:`pipelines.tokenize.pretokenized.IdChecker`) and packing run inside the read tasks.
 
-A *unit* is ``pack_buffer_size`` consecutive records of one file (see :mod:`pipelines.units`); it is
+A *unit* is ``pack_buffer_size`` consecutive records of one file (see :mod:`pipelines.stream.units`); it is
 packed on its own, so the rows are a function of the data and the config, and a resume point is
 "file, unit, rows done". A unit is one row until it is packed, so Ray Data can hand each unit on as
 soon as it is read (``READ_BLOCK_BYTES``) without ever cutting one; packing runs right after
@@ -36,14 +36,14 @@ import pyarrow as pa
 import ray
 
 from pipelines.config import Config, DataConfig, ModelConfig, TokenizeConfig
-from pipelines.datasource import ReadOptions, ShardDatasource, read_files
-from pipelines.packing import PACKED_SCHEMA, Packer, PackOptions
-from pipelines.pretokenized import IdChecker, tokenizer_vocab_size
-from pipelines.sources import SourceTable, datasets_for_split, resolve_sources
+from pipelines.sources.datasource import ReadOptions, ShardDatasource, read_files
+from pipelines.sources.listing import SourceTable, datasets_for_split, resolve_sources
 from pipelines.stats import StatsSink, stats_sink
-from pipelines.tokenize import Tokenizer, imports_transformers, rust_thread_env
-from pipelines.units import READ_BLOCK_BYTES, Cursor, ResumePoint
-from pipelines.units import ordered_files as _ordered_files
+from pipelines.stream.packing import PACKED_SCHEMA, Packer, PackOptions
+from pipelines.stream.units import READ_BLOCK_BYTES, Cursor, ResumePoint
+from pipelines.stream.units import ordered_files as _ordered_files
+from pipelines.tokenize.pretokenized import IdChecker, tokenizer_vocab_size
+from pipelines.tokenize.stage import Tokenizer, imports_transformers, rust_thread_env
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ ID_BYTES_PER_READ_TASK = 128 << 20
 
 
 def ordered_files(cfg: Config, table: SourceTable, epoch: int, datasets: list[int] | None = None) -> list[int]:
-    """Indices into ``table.files`` in the epoch's read order (see :func:`pipelines.units.ordered_files`)."""
+    """Indices into ``table.files`` in the epoch's read order (see :func:`pipelines.stream.units.ordered_files`)."""
     return _ordered_files(table, cfg.data.shuffle_seed, epoch, datasets)
 
 
@@ -144,14 +144,14 @@ def id_read_tasks(table: SourceTable, files: list[int]) -> int:
     Example: 13 shards of 4.2 MB (12.8 M tokens) -> 1; 300 MB of shards -> 3 (``build_dataset`` then caps
     it at one per CPU).
     """
-    from pipelines.mds_index import shard_raw_bytes  # MDS modules load where MDS is read
+    from pipelines.mds.index import shard_raw_bytes  # MDS modules load where MDS is read
 
     raw = sum(shard_raw_bytes(table.files[i].meta) for i in files)
     return max(1, math.ceil(raw / ID_BYTES_PER_READ_TASK))
 
 
 def tokenizer_env(threads: int) -> dict[str, str]:
-    """Environment of the tokenizer actors: bounded Rust threads (:func:`pipelines.tokenize.rust_thread_env`),
+    """Environment of the tokenizer actors: bounded Rust threads (:func:`pipelines.tokenize.stage.rust_thread_env`),
     and transformers without torch (``USE_TORCH=0``: importing torch costs seconds and ~1 GB per actor, and
     tokenizing never needs it).
 
@@ -306,7 +306,7 @@ def all_pretokenized(table: SourceTable, files: list[int]) -> bool:
     checked and packed (no tokenizer runs), so that stage runs inside the read tasks: no actor to
     start, and the ids never leave the task that read them.
     """
-    from pipelines.mds_index import shard_holds_token_ids
+    from pipelines.mds.index import shard_holds_token_ids
 
     def has_ids(i: int) -> bool:
         f = table.files[i]
@@ -326,12 +326,12 @@ def read_task_stage(cfg: Config, table: SourceTable, sink: StatsSink, pack: Pack
 
     The tokenizer's environment, where it runs in the read tasks:
 
-    - It loads the transformers tokenizer (:func:`pipelines.tokenize.imports_transformers`):
+    - It loads the transformers tokenizer (:func:`pipelines.tokenize.stage.imports_transformers`):
       :func:`tokenizer_env`, as the tasks' ``runtime_env`` (``isolated``). ``USE_TORCH=0`` must be set before
       transformers is imported and holds for the process from then on, so the tasks take workers of their
       own: a shared worker with it could later become a train worker that cannot see torch.
     - It loads ``tokenizers`` alone (Alpaca or completion text with a plain tokenizer.json): only the Rust
-      threads (:func:`pipelines.tokenize.rust_thread_env`), set in the shared worker's process for each
+      threads (:func:`pipelines.tokenize.stage.rust_thread_env`), set in the shared worker's process for each
       stream and restored after it. Ray can then hand the tasks idle workers that are already up, rather
       than start workers through its runtime-env agent. The Rust thread pool is the process's: it is built,
       with that size, at the first parallel encode and stays. (A tokenizer whose EOS token proves missing
@@ -445,9 +445,9 @@ def iter_packed_local(cfg: Config, split: str = "train", sink: StatsSink | None 
 
 
 def check_pretokenized(cfg: Config, table: SourceTable) -> None:
-    """Refuse an MDS set tokenized with another tokenizer (see :func:`pipelines.mds_reader.check_tokenized_sources`)."""
+    """Refuse an MDS set tokenized with another tokenizer (see :func:`pipelines.mds.reader.check_tokenized_sources`)."""
     if any(f.format == "mds" for f in table.files):
-        from pipelines.mds_reader import check_tokenized_sources
+        from pipelines.mds.reader import check_tokenized_sources
 
         check_tokenized_sources(cfg, table)
 

@@ -8,7 +8,7 @@ duration of the import. If ``streaming`` is already imported (a user's process),
 
 Everything MDS-specific the pipeline writes or reads goes through mosaic's own functions
 (``mds_encode``/``mds_decode``, ``compress``/``decompress``, ``get_hash``), so the bytes are mosaic's;
-only the few lines that lay samples out in a shard (``pipelines.mds_reader``, ``pipelines.mds_sink``)
+only the few lines that lay samples out in a shard (``pipelines.mds.reader``, ``pipelines.mds.writer``)
 follow mosaic's ``MDSWriter``/``MDSReader`` by hand, and tests read our shards with mosaic's own reader.
 """
 

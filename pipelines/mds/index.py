@@ -2,15 +2,15 @@
 
 An MDS dataset is a directory with ``index.json`` and shard files. The index lists every shard with
 its columns, compression and hashes; a *nested* index (what ``merge_index`` and
-:class:`pipelines.mds_sink.MDSDatasink` write) names shards in sub-directories::
+:class:`pipelines.mds.writer.MDSDatasink` write) names shards in sub-directories::
 
     s3://bucket/corpus/index.json       {"version": 2, "shards": [{"raw_data": {"basename":
                                           "part-00000/shard.00000.mds", ...}, "zip_data": {...
     s3://bucket/corpus/part-00000/shard.00000.mds.zstd
 
 Resolution (``format: mds``, or ``auto`` on a directory holding ``index.json``) reads the index and
-turns every shard into one source file (:func:`expand_mds`); reading them is :mod:`pipelines.mds_reader`,
-writing :mod:`pipelines.mds_sink`. Mosaic's own modules say which encodings, compressions and hashes exist.
+turns every shard into one source file (:func:`expand_mds`); reading them is :mod:`pipelines.mds.reader`,
+writing :mod:`pipelines.mds.writer`. Mosaic's own modules say which encodings, compressions and hashes exist.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from pipelines import mosaic
 from pipelines.config import DatasetConfig
+from pipelines.mds import codec as mosaic
 from pipelines.storage import StorageOptions, filesystem_for, with_retries
 
 INDEX = "index.json"

@@ -29,7 +29,7 @@ When a source runs out before the others (``data.mix_exhausted``):
 * ``drop``  - the source leaves the mix and the others go on with their weights renormalised;
   the epoch ends when all have run out, so every sample is seen exactly once.
 
-The mixer's counters and each source's resume point form :class:`~pipelines.resume.DataState`,
+The mixer's counters and each source's resume point form :class:`~pipelines.stream.state.DataState`,
 so a resumed run continues the same mix.
 """
 
@@ -41,14 +41,14 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.resume import SourceState
 from pipelines.seeds import stream_epoch
-from pipelines.units import ROW_UNIT_FIELDS, ResumePoint, point_after
+from pipelines.stream.state import SourceState
+from pipelines.stream.units import ROW_UNIT_FIELDS, ResumePoint, point_after
 
 __all__ = ["Chunk", "Mixer", "Picked", "fresh_states", "stream_epoch"]
 
 Row = dict[str, Any]
-UNIT_COLUMNS = tuple(name for name, _ in ROW_UNIT_FIELDS)  # where a row sits in its unit (pipelines.units)
+UNIT_COLUMNS = tuple(name for name, _ in ROW_UNIT_FIELDS)  # where a row sits in its unit (pipelines.stream.units)
 # open(source index, state) -> (chunks, or single row dicts, of that source from state.point,
 #                               source index -> file position)
 Opener = Callable[[int, SourceState], tuple[Iterator[Any], dict[int, int]]]
@@ -83,7 +83,7 @@ class Chunk:
         return [flat[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
 
     def unit_row(self, j: int) -> Row:
-        """The ``unit_*`` fields of row ``j``, as :func:`pipelines.resume.point_after` reads them."""
+        """The ``unit_*`` fields of row ``j``, as :func:`pipelines.stream.state.point_after` reads them."""
         return {k: int(v[j]) for k, v in self.units.items()}
 
     def row(self, j: int) -> Row:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.tokenizer import IGNORE_INDEX
+from pipelines.tokenize.tokenizer import IGNORE_INDEX
 
 __all__ = ["ByteSpans", "span_labels"]
 
@@ -138,7 +138,7 @@ class ByteSpans:
             return None
         post = tok.post_processor
         adds = bool(post is not None and post.num_special_tokens_to_add(False))
-        lengths.flags.writeable = False  # shared by the stages of one backend (pipelines.tokenize.byte_spans)
+        lengths.flags.writeable = False  # shared by the stages of one backend (pipelines.tokenize.stage.byte_spans)
         return cls(lengths, adds)
 
     def usable(self, add_special_tokens: bool) -> bool:

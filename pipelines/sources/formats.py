@@ -12,7 +12,7 @@ Worked example (``alpaca``, ``train_on_inputs: false``)::
     spans = [(len(text) - 1, len(text))]          # only "5"; EOS is appended after it, trained too
 
 ``chat_template`` is the exception: a conversation is rendered by the tokenizer's template and handed on
-as :class:`pipelines.chat_template.Pieces` (text encoded piece by piece, control tokens as ids).
+as :class:`pipelines.sources.chat_template.Pieces` (text encoded piece by piece, control tokens as ids).
 
 A record that cannot be formatted raises :class:`RecordError` with the reason; the caller adds the
 file and line.
@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipelines.chat_template import ChatTemplateFormat
 from pipelines.config import DataConfig, DatasetConfig
 from pipelines.errors import RecordError
+from pipelines.sources.chat_template import ChatTemplateFormat
 
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "

@@ -5,7 +5,7 @@ JSONL records with ``input_ids``) skip formatting and tokenizing. Before packing
 be usable with ``model.tokenizer``: ids non-empty and inside its vocabulary, labels aligned with the
 ids and either in the vocabulary or -100, at least one label trained. :func:`id_problems` checks a
 whole batch at once on flat arrays (no per-token Python), for both the per-record path in
-:class:`pipelines.tokenize.Tokenizer` and :class:`IdChecker`.
+:class:`pipelines.tokenize.stage.Tokenizer` and :class:`IdChecker`.
 
 Worked example, vocabulary of 100 tokens, samples as (ids, labels)::
 
@@ -24,11 +24,11 @@ import pyarrow.compute as pc
 
 from pipelines.arrays import list_flat
 from pipelines.config import DataConfig, ModelConfig
-from pipelines.datasource import BadRecordError
-from pipelines.sources import SourceTable
+from pipelines.sources.datasource import BadRecordError
+from pipelines.sources.listing import SourceTable
 from pipelines.stats import Counts, StatsSink
-from pipelines.tokenizer import IGNORE_INDEX, shared_tokenizer
-from pipelines.units import carry_unit_columns, explode_units
+from pipelines.stream.units import carry_unit_columns, explode_units
+from pipelines.tokenize.tokenizer import IGNORE_INDEX, shared_tokenizer
 
 __all__ = ["IdChecker", "Problem", "id_problems", "tokenizer_vocab_size"]
 
@@ -95,10 +95,10 @@ def id_problems(ids_offsets: np.ndarray, ids: np.ndarray, labels_offsets: np.nda
 
 
 class IdChecker:
-    """``map_batches`` callable for id-column blocks (:data:`pipelines.datasource.TOKEN_SCHEMA`):
+    """``map_batches`` callable for id-column blocks (:data:`pipelines.sources.datasource.TOKEN_SCHEMA`):
     unit rows -> the tokenizer stage's output (one row per sample, a skipped sample an empty row).
 
-    What :class:`pipelines.tokenize.Tokenizer` does for records holding ``input_ids``, without a
+    What :class:`pipelines.tokenize.stage.Tokenizer` does for records holding ``input_ids``, without a
     JSON record or a Python object per sample: the ids stay Arrow arrays from the read to packing.
     """
 

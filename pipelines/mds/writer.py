@@ -20,10 +20,10 @@ from ray.data.block import Block, BlockAccessor
 from ray.data.datasource import Datasink
 from ray.data.datasource.datasink import WriteResult
 
-from pipelines import mosaic
-from pipelines.mds_index import INDEX, MDSError
+from pipelines.mds import codec as mosaic
+from pipelines.mds.index import INDEX, MDSError
 from pipelines.storage import StorageError, StorageOptions, filesystem_for, is_remote, with_retries
-from pipelines.units import explode_units
+from pipelines.stream.units import explode_units
 
 
 def encoding_for(typ: pa.DataType) -> str:
@@ -161,7 +161,7 @@ class _PartWriter:
     """Writes one directory of MDS shards exactly as mosaic's ``MDSWriter`` lays them out (file names,
     shard bytes, index entries), using mosaic's encodings, compression and hashes; each finished file
     is handed to ``on_file`` (upload, then delete locally). ``MDSWriter`` itself is not used because
-    importing it imports torch (~4.5 s per write worker, see :mod:`pipelines.mosaic`).
+    importing it imports torch (~4.5 s per write worker, see :mod:`pipelines.mds.codec`).
 
     Shard bytes: ``uint32 n``, ``n + 1`` uint32 offsets, the JSON config, then the samples; a sample
     is the uint32 sizes of its variable-size columns followed by each column's encoded bytes.

@@ -9,10 +9,10 @@ it, see ``ShardDatasource.get_read_tasks``). Like every boundary it
 depends only on the data and the config, so a resumed run cuts the same units.
 The unit travels *in the data*, as constant columns, never as a block boundary the runtime must keep:
 
-* read blocks (``pipelines.datasource``) hold one row per unit (lists of sample ids and records)
+* read blocks (``pipelines.sources.datasource``) hold one row per unit (lists of sample ids and records)
   and :data:`UNIT_FIELDS`; :func:`explode_units` makes that one row per record, and the tokenizer
   stage copies the unit columns through (:func:`carry_unit_columns`);
-* packed rows (``pipelines.packing``) carry :data:`ROW_UNIT_FIELDS`: the unit's location plus the
+* packed rows (``pipelines.stream.packing``) carry :data:`ROW_UNIT_FIELDS`: the unit's location plus the
   row's index among the unit's packed rows;
 * the trainer turns the last row it trained on into a :class:`ResumePoint` (:func:`point_after`).
 
@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipelines.seeds import file_order
-from pipelines.sources import SourceTable, split_sample_id
+from pipelines.sources.listing import SourceTable, split_sample_id
 
 __all__ = [
     "ROW_UNIT_FIELDS",

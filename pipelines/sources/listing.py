@@ -55,7 +55,7 @@ class SourceFile:
     url: str  # what the user sees: with scheme for object stores
     format: str  # jsonl | json | parquet | text | mds
     size: int
-    meta: str = ""  # format-specific JSON: for mds, the shard's index.json entry (see pipelines.mds_index)
+    meta: str = ""  # format-specific JSON: for mds, the shard's index.json entry (see pipelines.mds.index)
 
 
 def make_sample_id(source_index: int, row: int) -> int:
@@ -126,7 +126,7 @@ def _expand(fs: pafs.FileSystem, path: str, ds: DatasetConfig) -> list[pafs.File
 def resolve_dataset(ds: DatasetConfig, base_dir: str, opts: StorageOptions) -> list[tuple[str, str, str, int, str]]:
     """Files of one dataset as ``(fs_path, url, format, size, meta)``, sorted by path.
 
-    An MDS directory becomes one entry per shard, in index.json order (see :func:`pipelines.mds_index.expand_mds`).
+    An MDS directory becomes one entry per shard, in index.json order (see :func:`pipelines.mds.index.expand_mds`).
     """
     raw = ds.path
     if raw.startswith("demo://"):
@@ -142,7 +142,7 @@ def resolve_dataset(ds: DatasetConfig, base_dir: str, opts: StorageOptions) -> l
     out = []
     for info in infos:
         if info.type == pafs.FileType.Directory:
-            from pipelines.mds_index import expand_mds  # MDS: index.json lists the shards
+            from pipelines.mds.index import expand_mds  # MDS: index.json lists the shards
 
             out.extend(expand_mds(fs, info.path, to_url(info.path, location), ds, opts))
             continue

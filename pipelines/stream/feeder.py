@@ -3,12 +3,12 @@
 Ray Data's ``streaming_split`` hands blocks to whichever rank asks first, so which rank trains on
 which row changes run to run, and "rows seen per rank" cannot be turned back into a position. Here
 one small ``DataFeeder`` actor (created by rank 0 of each worker group on its node, dying with it) iterates
-the per-source datasets of :func:`pipelines.dataset.build_dataset` in order, mixes them
-(:mod:`pipelines.mixing`) and cuts the result into *items*:
+the per-source datasets of :func:`pipelines.stream.dataset.build_dataset` in order, mixes them
+(:mod:`pipelines.stream.mixing`) and cuts the result into *items*:
 
 * a step item: the rows of one global optimizer step, ``world_size x rows_per_rank`` of them,
   rank ``r`` taking the ``r``-th slice (fewer, or none, at the end of an epoch), plus the
-  :class:`~pipelines.resume.DataState` right after it;
+  :class:`~pipelines.stream.state.DataState` right after it;
 * an epoch-end item, after the last step of an epoch.
 
 The feeder is a control plane: the packed rows stay in Ray's object store as the Arrow blocks the
@@ -51,12 +51,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipelines.arrays import list_flat
 from pipelines.config import Config, config_from_dict, dump_config
-from pipelines.dataset import all_pretokenized, build_dataset, data_report, tokenizer_pools_short
-from pipelines.mixing import Chunk, Mixer, Picked, fresh_states
-from pipelines.resume import DataState, Ledger, LedgerEntry, SourceState
-from pipelines.sources import resolve_sources
+from pipelines.sources.listing import resolve_sources
 from pipelines.storage import StorageOptions, filesystem_for
-from pipelines.units import dataset_files, file_positions
+from pipelines.stream.dataset import all_pretokenized, build_dataset, data_report, tokenizer_pools_short
+from pipelines.stream.mixing import Chunk, Mixer, Picked, fresh_states
+from pipelines.stream.state import DataState, Ledger, LedgerEntry, SourceState
+from pipelines.stream.units import dataset_files, file_positions
 
 __all__ = ["BlockColumns", "DataFeeder", "Feeder", "FeederClient", "RankItem", "RowSlice", "as_arrow", "block_nodes",
            "feeder_concurrency", "fetch_blocks", "start_feeder"]

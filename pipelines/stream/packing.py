@@ -29,10 +29,10 @@ import pyarrow as pa
 
 from pipelines.arrays import list_array, list_parts
 from pipelines.seeds import unit_shuffle_seed
-from pipelines.sources import SourceTable
+from pipelines.sources.listing import SourceTable
 from pipelines.stats import Counts, StatsSink
-from pipelines.tokenizer import IGNORE_INDEX
-from pipelines.units import ROW_UNIT_FIELDS, UnitInfo, row_unit_columns
+from pipelines.stream.units import ROW_UNIT_FIELDS, UnitInfo, row_unit_columns
+from pipelines.tokenize.tokenizer import IGNORE_INDEX
 
 ROW_FIELDS = [
     ("input_ids", pa.list_(pa.int32())),

@@ -4,11 +4,11 @@ Each read task streams its files and yields one Arrow block per *packing unit* (
 consecutive records of one file), holding **one row**: the unit is atomic in the data, so however
 Ray Data re-buffers or slices blocks it can never cut a unit in two::
 
-    sample_id: list<int64>    (source_index << 40) | row per record, see pipelines.sources
+    sample_id: list<int64>    (source_index << 40) | row per record, see pipelines.sources.listing
     record:    list<string>   each record as a JSON object text, e.g. '{"instruction": "...", "output": "..."}'
-    unit_*:                   where the unit starts and ends in its file (pipelines.units.UNIT_FIELDS)
+    unit_*:                   where the unit starts and ends in its file (pipelines.stream.units.UNIT_FIELDS)
 
-``pipelines.units.explode_units`` turns such blocks into one row per record (the tokenizer does).
+``pipelines.stream.units.explode_units`` turns such blocks into one row per record (the tokenizer does).
 
 A stream whose files are all pre-tokenized MDS (``ReadOptions.token_ids``) has no JSON records: its
 blocks hold the ids themselves, ``input_ids``/``labels: list<list<int32>>`` in place of ``record``
@@ -16,7 +16,7 @@ blocks hold the ids themselves, ``input_ids``/``labels: list<list<int32>>`` in p
 
 Records stay JSON text until the tokenizer stage parses them, so a block's schema never depends on
 the data (nested chat turns, optional fields). Read tasks decode bytes and split records; their closures
-hold file paths and options, and the stage that ``pipelines.dataset`` may give them to run their blocks
+hold file paths and options, and the stage that ``pipelines.stream.dataset`` may give them to run their blocks
 through (``ShardDatasource(stage=...)``: the tokenizer and packer, where they run in the read tasks).
 
 Bad bytes are reported here (``data.on_bad_record``): non-UTF-8 lines, empty files, a JSON file
@@ -40,12 +40,19 @@ from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from pipelines.arrays import list_array
-from pipelines.records import TokenRecord
 from pipelines.seeds import splitmix64
-from pipelines.sources import SourceFile, SourceTable, make_sample_id
+from pipelines.sources.listing import SourceFile, SourceTable, make_sample_id
+from pipelines.sources.records import TokenRecord
 from pipelines.stats import Counts, StatsSink
 from pipelines.storage import StorageOptions, filesystem_for
-from pipelines.units import FIRST_UNIT_BYTES, UNIT_FIELDS, Cursor, UnitInfo, explode_units, unit_columns
+from pipelines.stream.units import (
+    FIRST_UNIT_BYTES,
+    UNIT_FIELDS,
+    Cursor,
+    UnitInfo,
+    explode_units,
+    unit_columns,
+)
 
 BLOCK_RECORDS = 1024
 READ_CHUNK_BYTES = 8 << 20
@@ -69,7 +76,7 @@ class ReadOptions:
     eval_fraction: float = 0.0
     split: str = "train"
     unit_size: int = 10000  # records per packing unit (data.pack_buffer_size)
-    first_unit_source: int = -1  # the stream's first file: its first unit is small (see pipelines.units)
+    first_unit_source: int = -1  # the stream's first file: its first unit is small (see pipelines.stream.units)
     token_ids: bool = False  # every file is pre-tokenized MDS: blocks of TOKEN_SCHEMA, records are TokenRecords
 
     @property
@@ -223,7 +230,7 @@ def reader_for(file: SourceFile, opts: ReadOptions) -> Reader:
     if file.format == "text":
         return functools.partial(read_text, text_field=opts.text_fields[file.dataset_index])
     if file.format == "mds":
-        from pipelines.mds_reader import read_mds, read_mds_ids
+        from pipelines.mds.reader import read_mds, read_mds_ids
 
         return read_mds_ids if opts.token_ids else read_mds
     if opts.token_ids:
@@ -280,7 +287,7 @@ def read_files(files: list[SourceFile], opts: ReadOptions, sink: StatsSink, star
     """The body of one read task: stream its files and yield one block (of one row) per packing unit.
 
     A unit is ``opts.unit_size`` consecutive records of one file (or fewer, at the file's end or past
-    ``MAX_UNIT_BYTES``; the stream's first unit stops at ``FIRST_UNIT_BYTES``, see :mod:`pipelines.units`). Units are what packing works on and what resumption counts, so they depend
+    ``MAX_UNIT_BYTES``; the stream's first unit stops at ``FIRST_UNIT_BYTES``, see :mod:`pipelines.stream.units`). Units are what packing works on and what resumption counts, so they depend
     only on the data and the config. ``start`` resumes the first file at a unit boundary; that unit's
     first ``skip_rows`` packed rows were already trained on and are dropped after packing.
 
@@ -359,7 +366,7 @@ def group_files(files: list[SourceFile], parallelism: int) -> list[list[SourceFi
 
 
 # A stage that runs inside the read tasks: a task's unit blocks in, in order, -> the blocks it hands on
-# (``pipelines.dataset.InReadTask``: the tokenizer and packer), with the schema they have.
+# (``pipelines.stream.dataset.InReadTask``: the tokenizer and packer), with the schema they have.
 BlockStage = Callable[[Iterator[pa.Table]], Iterator[pa.Table]]
 
 

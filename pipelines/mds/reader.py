@@ -9,8 +9,8 @@ the index is unchanged. Column values become JSON: numpy arrays become lists, nu
 **Pre-tokenized shards** hold ``input_ids`` (optionally ``labels``), or llm-foundry's concat-tokens
 ``tokens`` column (``ndarray``, or legacy ``bytes`` of int64); their records skip formatting and
 tokenization. When every file of a stream is one, :func:`read_mds_ids` yields the id arrays themselves
-(:class:`pipelines.records.TokenRecord`) for id-column blocks; otherwise :func:`read_mds` writes them
-into the JSON record as base64 (see :class:`pipelines.tokenize.Tokenizer`). A set written by ``ray_jobs/convert.py
+(:class:`pipelines.sources.records.TokenRecord`) for id-column blocks; otherwise :func:`read_mds` writes them
+into the JSON record as base64 (see :class:`pipelines.tokenize.stage.Tokenizer`). A set written by ``ray_jobs/convert.py
 --tokenize`` carries ``tokenized.json`` next to ``index.json``; :func:`check_tokenized_sources`
 refuses it under a different tokenizer.
 """
@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import pyarrow.fs as pafs
 
-from pipelines import mosaic
 from pipelines.config import Config
-from pipelines.mds_index import (
+from pipelines.mds import codec as mosaic
+from pipelines.mds.index import (
     HASH_PREFERENCE,
     TOKEN_COLUMNS,
     TOKENIZED_META,
@@ -36,11 +36,11 @@ from pipelines.mds_index import (
     read_tokenized_meta,
     shard_name,
 )
-from pipelines.records import TokenRecord, as_token_ids, pack_array
-from pipelines.sources import SourceFile, SourceTable
+from pipelines.sources.listing import SourceFile, SourceTable
+from pipelines.sources.records import TokenRecord, as_token_ids, pack_array
 from pipelines.storage import StorageOptions, with_retries
-from pipelines.tokenizer import tokenizer_fingerprint
-from pipelines.units import Cursor
+from pipelines.stream.units import Cursor
+from pipelines.tokenize.tokenizer import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class MemoryShard:
     """An MDS shard held in memory, decoded sample by sample as mosaic's ``MDSReader.decode_sample``
     does (layout: sample count, n+1 offsets, config, samples; a sample is the uint32 sizes of its
     variable-size columns, then each column's bytes in column order), with mosaic's ``mds_decode``.
-    Not ``MDSReader`` itself: importing it imports torch (see :mod:`pipelines.mosaic`)."""
+    Not ``MDSReader`` itself: importing it imports torch (see :mod:`pipelines.mds.codec`)."""
 
     def __init__(self, raw: bytes, offsets: np.ndarray, names: list[str], encodings: list[str],
                  sizes: list[int | None]) -> None:
@@ -196,7 +196,7 @@ def read_mds(fs: pafs.FileSystem, file: SourceFile, bad: Callable[[str, str], No
     for row in range(cursor.row if cursor else 0, reader.samples):
         try:
             rec = sample_to_record(reader.get_item(row))
-            for col in TOKEN_COLUMNS:  # compact: base64 of the raw ids (pipelines.records)
+            for col in TOKEN_COLUMNS:  # compact: base64 of the raw ids (pipelines.sources.records)
                 if isinstance(rec.get(col), np.ndarray) and rec[col].dtype.kind in "iu" and rec[col].ndim == 1:
                     rec[col] = pack_array(rec[col])
             text = json.dumps(rec, ensure_ascii=False, default=_jsonable)

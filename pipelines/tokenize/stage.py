@@ -2,11 +2,11 @@
 
 Each process that runs it (a tokenizer actor, or a read worker: ``data.tokenize.placement``) loads the
 tokenizer once, and the stages of the streams it serves after that share it
-(:func:`pipelines.tokenizer.shared_tokenizer`). Per block it parses the JSON records, formats them
-(:mod:`pipelines.formats`), encodes the texts in batch calls of the Rust tokenizer
+(:func:`pipelines.tokenize.tokenizer.shared_tokenizer`). Per block it parses the JSON records, formats them
+(:mod:`pipelines.sources.formats`), encodes the texts in batch calls of the Rust tokenizer
 (``data.tokenize.batch_size`` texts each, on the stage's encode thread, while this thread formats and
 labels the neighbouring slices), and turns
-each format's trained character spans into labels (:mod:`pipelines.labels`), so the cost per sample
+each format's trained character spans into labels (:mod:`pipelines.tokenize.labels`), so the cost per sample
 is a few lookups, not a loop over tokens. Given a stream of blocks (inside a read task:
 :meth:`Tokenizer.stream`), it keeps the encode thread busy from one block to the next. With a byte-level
 BPE tokenizer (GPT-2, Llama 3, Qwen, SmolLM2) the batch call is ``encode_batch_fast``, which skips
@@ -14,7 +14,7 @@ computing offsets, and the labels come from the tokens' byte lengths, for the wh
 flat arrays (ids, labels and EOS never handled per sample in Python); any other tokenizer uses
 ``encode_batch`` and its offsets.
 
-Chat samples (:class:`pipelines.chat_template.Pieces`) are encoded piece by piece: the text between two cuts
+Chat samples (:class:`pipelines.sources.chat_template.Pieces`) are encoded piece by piece: the text between two cuts
 by the tokenizer itself where no control string came from the data, else text with the tokenizer's added
 tokens switched off (:func:`plain_tokenizer`) and the template's control tokens put in as ids. They are
 labelled per piece: no offsets and no byte lengths are needed, since every trained span starts and ends at a
@@ -40,24 +40,24 @@ import numpy as np
 import pyarrow as pa
 
 from pipelines.arrays import list_array, parts_flat
-from pipelines.chat_template import SEGMENT, Pieces
 from pipelines.config import DataConfig, ModelConfig
-from pipelines.datasource import BadRecordError
 from pipelines.errors import RecordError
-from pipelines.formats import Formatted, make_formatter
-from pipelines.labels import ByteSpans, span_labels
-from pipelines.pretokenized import id_problems
-from pipelines.records import unpack_array
-from pipelines.sources import SourceTable, split_sample_id
+from pipelines.sources.chat_template import SEGMENT, Pieces
+from pipelines.sources.datasource import BadRecordError
+from pipelines.sources.formats import Formatted, make_formatter
+from pipelines.sources.listing import SourceTable, split_sample_id
+from pipelines.sources.records import unpack_array
 from pipelines.stats import Counts, StatsSink
-from pipelines.tokenizer import (
+from pipelines.stream.units import carry_unit_columns, explode_units
+from pipelines.tokenize.labels import ByteSpans, span_labels
+from pipelines.tokenize.pretokenized import id_problems
+from pipelines.tokenize.tokenizer import (
     IGNORE_INDEX,
     Backend,
     load_tokenizer,
     loads_without_transformers,
     shared_tokenizer,
 )
-from pipelines.units import carry_unit_columns, explode_units
 
 # Dataset types whose formatter needs the transformers tokenizer (its chat template).
 HF_FORMATS = ("chat_template",)
@@ -78,7 +78,7 @@ def _needs_hf(table: SourceTable) -> bool:
 def imports_transformers(model: ModelConfig, table: SourceTable) -> bool:
     """Whether a :class:`Tokenizer` for ``table`` loads the transformers tokenizer, told without loading
     anything: a chat template, or a tokenizer that ``tokenizers`` alone does not load exactly
-    (:func:`pipelines.tokenizer.loads_without_transformers`)."""
+    (:func:`pipelines.tokenize.tokenizer.loads_without_transformers`)."""
     return _needs_hf(table) or not loads_without_transformers(model)
 
 
@@ -87,7 +87,7 @@ def byte_spans(backend: Backend) -> ByteSpans | None:
     """:meth:`ByteSpans.for_tokenizer` of ``backend``'s tokenizer, computed once per backend object.
 
     The stages of stream after stream in one process share one backend
-    (:func:`pipelines.tokenizer.shared_tokenizer`), which nothing changes, and so its ByteSpans (0.07 s to
+    (:func:`pipelines.tokenize.tokenizer.shared_tokenizer`), which nothing changes, and so its ByteSpans (0.07 s to
     compute for GPT-2's vocabulary). A backend hashes and compares by its tokenizer object's identity, and
     the cache holds the backend, so an entry never answers for another tokenizer.
     """
@@ -98,7 +98,7 @@ def byte_spans(backend: Backend) -> ByteSpans | None:
 def plain_tokenizer(backend: Backend) -> Any:
     """``backend``'s tokenizer with no added tokens: text in, the model's own tokens out, so a control string
     inside data (``"<|im_end|>"``) is encoded as its characters. Chat pieces are encoded with it
-    (:class:`pipelines.chat_template.Pieces`); cached per backend as :func:`byte_spans` is."""
+    (:class:`pipelines.sources.chat_template.Pieces`); cached per backend as :func:`byte_spans` is."""
     from tokenizers import Tokenizer as RustTokenizer
 
     state = json.loads(backend.tokenizer.to_str())
@@ -141,21 +141,21 @@ class Tokenizer:
     layout or ``ray_jobs/convert.py --tokenize`` output) skip formatting and tokenization.
 
     Constructor arguments are small: configs, the file table (for error locations) and the stats sink;
-    ``env`` (the actors': :func:`pipelines.dataset.tokenizer_env`) is set in the process before anything
+    ``env`` (the actors': :func:`pipelines.stream.dataset.tokenizer_env`) is set in the process before anything
     loads, replacing what it inherited. Without it (in the read tasks: their ``runtime_env`` or
-    :class:`pipelines.dataset.InReadTask` sets it), the thread settings are only defaults.
+    :class:`pipelines.stream.dataset.InReadTask` sets it), the thread settings are only defaults.
     """
 
     def __init__(self, data: DataConfig, model: ModelConfig, table: SourceTable, sink: StatsSink, threads: int = 1,
                  env: Mapping[str, str] | None = None):
-        if env is not None:  # an actor's own process (see pipelines.dataset.tokenizer_stage): set, before any load
+        if env is not None:  # an actor's own process (see pipelines.stream.dataset.tokenizer_stage): set, before any load
             os.environ.update(env)
         for key, value in rust_thread_env(threads).items():
             os.environ.setdefault(key, value)
         self.data, self.model, self.table, self.sink = data, model, table, sink
         self._pool: ThreadPoolExecutor | None = None  # the encode thread (_encoder)
         # Chat templates need the transformers tokenizer; other formats only the Rust one, which loads
-        # without importing transformers when that gives the same encoding (pipelines.tokenizer).
+        # without importing transformers when that gives the same encoding (pipelines.tokenize.tokenizer).
         self._hf, backend = shared_tokenizer(model, _needs_hf(table))
         self._backend = backend
         self._checked: dict[tuple[str, ...], bool] = {}  # chat: retokenization checks done (_retokenized)
@@ -192,8 +192,8 @@ class Tokenizer:
     def _pretokenized(self, sample_id: int, rec: dict[str, Any], counts: Counts) -> Pretokenized | None:
         """A record that already holds ``input_ids`` (and maybe ``labels``); no template, no EOS.
 
-        Which tokenizer made a converted set is checked once at build time (pipelines.mds_reader); the
-        ids themselves are checked with the rest of the batch (:func:`pipelines.pretokenized.id_problems`).
+        Which tokenizer made a converted set is checked once at build time (pipelines.mds.reader); the
+        ids themselves are checked with the rest of the batch (:func:`pipelines.tokenize.pretokenized.id_problems`).
         """
         try:
             ids = unpack_array(rec["input_ids"])

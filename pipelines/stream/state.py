@@ -3,8 +3,8 @@
 The stream of one source is deterministic (``data.deterministic``): files in a seeded order, each
 cut into packing units, each unit packed on its own. A run consumes that stream as a prefix, so its
 position is one point: "file ``file_pos`` of the epoch's order, the unit starting at ``row`` (byte
-``byte``), of which ``skip_rows`` packed rows are done" (:class:`pipelines.units.ResumePoint`, made by
-:func:`pipelines.units.point_after`, with a worked example there).
+``byte``), of which ``skip_rows`` packed rows are done" (:class:`pipelines.stream.units.ResumePoint`, made by
+:func:`pipelines.stream.units.point_after`, with a worked example there).
 
 On resume, files before ``file_pos`` are not opened, the file is seeked to ``byte`` (JSONL) or its
 row groups skipped (Parquet), and only that one unit is tokenized again - so resuming costs the same
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow.fs as pafs
 
-from pipelines.units import STREAM_LAYOUT, ResumePoint, point_after
+from pipelines.stream.units import STREAM_LAYOUT, ResumePoint, point_after
 
 if TYPE_CHECKING:
     from pipelines.config import Config
@@ -152,7 +152,7 @@ def _sha(chunks: Iterable[bytes]) -> str:
 
 def _tokenizer_identity(cfg: Config) -> tuple[str, str]:
     """``(tokenizer, chat_template)`` entries: the tokenizer's name plus a hash of its files (when local)."""
-    from pipelines.tokenizer import resolve_tokenizer_path
+    from pipelines.tokenize.tokenizer import resolve_tokenizer_path
 
     name = cfg.model.tokenizer_path or ""
     path = resolve_tokenizer_path(cfg.model) if name else ""
@@ -178,7 +178,7 @@ def stream_fingerprint(cfg: Config) -> dict[str, Any]:
     Resolves the training files (metadata only) and hashes the tokenizer's files; the world size,
     batch sizes and actor counts are not in it (the stream does not depend on them).
     """
-    from pipelines.sources import resolve_sources
+    from pipelines.sources.listing import resolve_sources
 
     out: dict[str, Any] = {}
     data = cfg.data.model_dump(mode="json")
@@ -191,7 +191,7 @@ def stream_fingerprint(cfg: Config) -> dict[str, Any]:
     listing = [f"{f.url}\t{f.format}\t{f.size}\t{f.meta}".encode() for f in table.files]
     out["files"] = f"{len(listing)} files, sha256 {_sha(listing)}"
     out["tokenizer"], out["chat_template"] = _tokenizer_identity(cfg)
-    out["stream_layout"] = STREAM_LAYOUT  # how units are cut and shuffled (pipelines.units)
+    out["stream_layout"] = STREAM_LAYOUT  # how units are cut and shuffled (pipelines.stream.units)
     return out
 
 
