@@ -9,17 +9,17 @@ materialized in Ray's object store before any clock starts, so tokenization and 
 bound. In one run, over the same blocks:
 
 * ``ceiling``: one plain ``ds.iter_batches()`` consumer in the driver (the Ray Data ceiling here);
-* ``feeder``: ``pipelines.stream.feeder.Feeder`` (references + row ranges; ranks fetch and split rows);
-* ``old``: the feeder before its rewrite (``benchmarks/_old_feeder.py``: ``to_pylist``, row-by-row
-  mixing, pickled lists of ints, numpy again on the rank).
+* ``feeder``: ``pipelines.stream.feeder.Feeder`` serving the blocks as a given dataset (the path of
+  ``build_trainer(cfg, train_dataset=ds)``: references + row ranges; ranks fetch and split rows).
+
+The feeder before its rewrite (``to_pylist``, row-by-row mixing, pickled lists of ints) was compared here
+as ``old`` until issue 41; its figures are in docs/benchmark_history.md.
 
 Each rank is a Ray actor with ``1/N`` CPU (no torch: it does what ``StepFeed`` does before collation,
 then concatenates the rows as the flash-attention ``flatten`` collate would). Per N: tokens/s delivered
 to all ranks together, the feeder process's CPU-seconds per million tokens (``getrusage`` in the
 feeder, every thread), the same for the whole process tree (raylet, GCS, feeder, ranks), p50/p99 of
-a rank's wait per step, and the feeder's peak RSS. Also measured alone: what ``to_pylist`` + pickling
-the lists (the old path's own per-token work) costs per million tokens. Prints a markdown table and
-``RESULT {json}``.
+a rank's wait per step, and the feeder's peak RSS. Prints a markdown table and ``RESULT {json}``.
 
 Before each clock: every rank has received the feeder's handle (its first use loads the actor's class,
 ~0.3 s per rank here), the stream's execution has started and its first block is in hand (the
@@ -35,7 +35,6 @@ import argparse
 import itertools
 import json
 import os
-import pickle
 import resource
 import sys
 import threading
@@ -55,7 +54,8 @@ from benchlib import TreeRSS, wait_quiet  # noqa: E402
 
 from pipelines.ray_local import init_local  # noqa: E402
 from pipelines.sources.listing import make_sample_id  # noqa: E402
-from pipelines.stream.feeder import Feeder, FeederClient, feeder_concurrency  # noqa: E402
+from pipelines.stream.client import FeederClient  # noqa: E402
+from pipelines.stream.feeder import Feeder, feeder_concurrency  # noqa: E402
 
 SEQ, K, BLOCK_ROWS = 2048, 8, 64
 SHARED = Path(os.environ.get("PIPELINES_SHARED_DATA", ROOT.parent / "shared" / "data"))
@@ -117,58 +117,34 @@ def make_dataset(total_rows: int) -> ray.data.Dataset:
 # --------------------------------------------------------------------------- systems
 
 
-class MaterializedPlan:
-    """One source: the materialized blocks (chunks for the new feeder, row dicts for the old one).
+class GatedFeeder(Feeder):
+    """The feeder, its stream started before the clock: ``prime()`` opens it (Ray Data's execution starts and
+    the first block is in hand, as the ceiling's is), and its first block waits for ``go()`` (the clock's
+    start), so the feeder has produced nothing ahead then. Also reports its process's CPU seconds (all
+    threads) and peak RSS."""
 
-    The stream's execution starts when the feeder opens it, before the clock; its first block waits
-    for the feeder's ``go()`` (the clock's start), so the feeder has produced nothing ahead then.
-    """
-
-    def __init__(self, ds: ray.data.Dataset, rows_as_dicts: bool = False) -> None:
-        self.ds, self.dicts = ds, rows_as_dicts
-        self.groups, self.weights, self.datasets = [None], [1.0], []
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.gate = threading.Event()
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "gate"}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.gate = threading.Event()
-
-    def open(self, i: int, state: Any):
-        if self.dicts:
-            from _old_feeder import _rows_of as stream
-        else:
-            from pipelines.stream.feeder import _chunks_of as stream
-        items = stream(self.ds)
-        first = next(items)  # Ray Data's execution starts before the clock, as the ceiling's does
+    def _open(self, i: int, state: Any):
+        chunks, positions = super()._open(i, state)
+        first = next(chunks)
         self.gate.wait()
-        return itertools.chain([first], items), {0: 0}
+        return itertools.chain([first], chunks), positions
 
-
-class Usage:
-    """Mixed into the feeders: the process's CPU seconds (all threads) and peak RSS; ``go()`` opens the stream."""
+    def prime(self) -> None:
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._produce, daemon=True)
+                self._thread.start()
 
     def go(self) -> None:
-        self.plan.gate.set()
+        self.gate.set()
 
     def usage(self) -> tuple[float, float]:
         r = resource.getrusage(resource.RUSAGE_SELF)
         return r.ru_utime + r.ru_stime, r.ru_maxrss / 1024.0  # MB (Linux: KB)
-
-
-class NewFeeder(Feeder, Usage):
-    pass
-
-
-def _old_feeder_class():
-    from _old_feeder import OldFeeder
-
-    class OldFeederUsage(OldFeeder, Usage):
-        pass
-
-    return OldFeederUsage
 
 
 @ray.remote
@@ -187,23 +163,15 @@ class Rank:
         its first use loads the actor's class, ~0.3 s here)."""
         self.feeder = feeder
 
-    def run(self, feeder: Any, old: bool) -> dict[str, Any]:
+    def run(self, feeder: Any) -> dict[str, Any]:
         client = FeederClient(feeder, self.rank)
-        if old:
-            from _old_feeder import FeederClient as OldClient
-            from _old_feeder import old_columns
-
-            client = OldClient(feeder, self.rank)
         waits, tokens, t0 = [], 0, time.perf_counter()
         while True:
             w0 = time.perf_counter()
             item = client.next()
             if item is None:
                 break
-            if old:
-                cols = old_columns(item["rows"]) if item["kind"] == "step" else None
-            else:
-                cols = item.columns(("input_ids", "labels", "position_ids")) if item.kind == "step" else None
+            cols = item.columns(("input_ids", "labels", "position_ids")) if item.kind == "step" else None
             waits.append(time.perf_counter() - w0)
             if cols and cols["input_ids"]:
                 flat = {k: np.concatenate(v) for k, v in cols.items()}  # the flatten collate, in numpy
@@ -219,24 +187,22 @@ def tree_cpu_s() -> float:
     return tree.cpu_s
 
 
-def run_feeder(ds: ray.data.Dataset, ranks: list[Any], old: bool, quiet_s: float) -> dict[str, Any]:
-    n = len(ranks)
-    if old:
-        cls = ray.remote(num_cpus=0, max_concurrency=64)(_old_feeder_class())
-        feeder = cls.remote(MaterializedPlan(ds, rows_as_dicts=True), n, K)
-    else:
-        from pipelines.config import config_from_dict, dump_config
+def run_feeder(ds: ray.data.Dataset, ranks: list[Any], quiet_s: float) -> dict[str, Any]:
+    from pipelines.config import config_from_dict
+    from pipelines.stream.spec import given_spec
 
-        cfg = config_from_dict({"model": {"tokenizer": str(GPT2.parent)},
-                                "data": {"datasets": [{"path": str(C4), "type": "completion"}]}})
-        feeder = ray.remote(num_cpus=0, max_concurrency=feeder_concurrency(n))(NewFeeder).remote(
-            dump_config(cfg), cfg.base_dir, n, K, 1, None, None, plan=MaterializedPlan(ds))
+    n = len(ranks)
+    cfg = config_from_dict({"model": {"tokenizer": str(GPT2.parent)},
+                            "data": {"datasets": [{"path": str(C4), "type": "completion"}]}})
+    feeder = ray.remote(num_cpus=0, max_concurrency=feeder_concurrency(n))(GatedFeeder).remote(
+        given_spec(cfg), n, K, 1, given=ds)
+    ray.get(feeder.prime.remote())
     ray.get([r.connect.remote(feeder) for r in ranks])
     quiet = wait_quiet(timeout_s=quiet_s)
     cpu0, _ = ray.get(feeder.usage.remote())
     tree0 = tree_cpu_s()
     t0 = time.perf_counter()
-    runs = [r.run.remote(feeder, old) for r in ranks]
+    runs = [r.run.remote(feeder) for r in ranks]
     feeder.go.remote()
     res = ray.get(runs)
     wall = time.perf_counter() - t0
@@ -268,23 +234,6 @@ def run_ceiling(ds: ray.data.Dataset, quiet_s: float) -> dict[str, Any]:
     return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": tokens / wall}
 
 
-def pylist_pickle_cost(ds: ray.data.Dataset) -> dict[str, float]:
-    """CPU-seconds per million tokens of the old path's own per-token work, measured alone:
-    ``to_pylist`` of a block, and pickling those rows (what ``DataFeeder.get`` returned to ranks)."""
-    block = ray.get(next(iter(ds.iter_internal_ref_bundles())).blocks[0].ref)
-    tokens = sum(len(r) for r in block.column("input_ids").to_pylist())
-    reps = 5
-    c0 = time.process_time()
-    for _ in range(reps):
-        rows = block.to_pylist()
-    c1 = time.process_time()
-    for _ in range(reps):
-        pickle.dumps([{c: r[c] for c in COLUMNS} for r in rows], protocol=5)
-    c2 = time.process_time()
-    m = tokens * reps / 1e6
-    return {"to_pylist_cpu_s_per_m_tokens": (c1 - c0) / m, "pickle_cpu_s_per_m_tokens": (c2 - c1) / m}
-
-
 # --------------------------------------------------------------------------- main
 
 
@@ -296,9 +245,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
     ns = [int(n) for n in results["per_n"]]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("feeder", "feeder (refs + row ranges)"), ("old", "old feeder (to_pylist)")):
-        if key not in results["per_n"][str(ns[0])]:
-            continue
+    for key, label in (("feeder", "feeder (refs + row ranges)"),):
         ax.plot(ns, [results["per_n"][str(n)][key]["tokens_per_s"] / 1e6 for n in ns], "o-", label=label)
     ax.axhline(results["ceiling"]["tokens_per_s"] / 1e6, color="gray", ls="--", label="ds.iter_batches() ceiling")
     ax.set_xscale("log", base=2)
@@ -316,7 +263,6 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="N = 2, 4 on a small stream (CI smoke)")
     ap.add_argument("--ns", default=None, help="comma list of N (default 2,8,32,64; quick 2,4)")
     ap.add_argument("--steps", type=int, default=None, help="steps at the largest N (default 48; quick 4)")
-    ap.add_argument("--no-old", action="store_true", help="skip the old feeder (to compare feeder changes quickly)")
     ap.add_argument("--plot", default=None, help="PNG path (default benchmarks/results/feeder_scale.png; quick: a temp dir)")
     args = ap.parse_args()
     quiet_s = QUICK_QUIET_TIMEOUT_S if args.quick else QUIET_TIMEOUT_S
@@ -331,22 +277,19 @@ def main() -> None:
     if not C4.is_file():
         print(f"not available: {C4} missing")
         return
-    # Workers (feeders, ranks) import benchmarks/_old_feeder.py and this script's classes by name.
+    # Workers (feeders, ranks) import this script's classes by name.
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")])
     init_local(num_cpus=2, include_dashboard=False, log_to_driver=False)
     ds = make_dataset(total_rows)
     out: dict[str, Any] = {"rows": total_rows, "tokens": total_rows * SEQ, "seq": SEQ, "rows_per_rank": K,
                            "load_avg_before": os.getloadavg()}
     out["ceiling"] = run_ceiling(ds, quiet_s)
-    out["old_path_cost"] = pylist_pickle_cost(ds)
     out["per_n"] = {}
     for n in ns:
         try:
             ranks = [Rank.options(num_cpus=1.0 / n).remote(r) for r in range(n)]
             ray.get([r.ready.remote() for r in ranks])
-            out["per_n"][str(n)] = {"feeder": run_feeder(ds, ranks, False, quiet_s)}
-            if not args.no_old:
-                out["per_n"][str(n)]["old"] = run_feeder(ds, ranks, True, quiet_s)
+            out["per_n"][str(n)] = {"feeder": run_feeder(ds, ranks, quiet_s)}
             for r in ranks:
                 ray.kill(r)
         except Exception as err:  # e.g. out of memory at large N: report it, keep the smaller N
@@ -362,9 +305,6 @@ def main() -> None:
     print(f"rows {total_rows} x {SEQ} tokens = {total_rows * SEQ / 1e6:.1f} M tokens; each system reads them once per N; "
           f"load average before/after {out['load_avg_before'][0]:.1f}/{out['load_avg_after'][0]:.1f}")
     print(f"ceiling (one ds.iter_batches() consumer): {out['ceiling']['tokens_per_s'] / 1e6:.1f} M tokens/s")
-    c = out["old_path_cost"]
-    print(f"old path's own per-token work: to_pylist {c['to_pylist_cpu_s_per_m_tokens']:.3f} + pickling "
-          f"{c['pickle_cpu_s_per_m_tokens']:.3f} CPU-s per M tokens")
     print()
     print("| N | system | M tokens/s (all ranks) | x ceiling | feeder CPU-s / M tokens | all processes CPU-s / M tokens "
           "| wait p50 / p99 ms | feeder peak RSS MB | busy before |")
@@ -375,7 +315,7 @@ def main() -> None:
         if "error" in per:
             print(f"| {n} | - | not run: {per['error'][:80]} | | | | | | |")
             continue
-        for key in [k for k in ("feeder", "old") if k in per]:
+        for key in [k for k in ("feeder",) if k in per]:
             r = per[key]
             print(f"| {n} | {key} | {r['tokens_per_s'] / 1e6:.2f} | {r['tokens_per_s'] / ceiling:.2f}x | "
                   f"{r['cpu_s_per_m_tokens']:.4f} | {r['tree_cpu_s_per_m_tokens']:.3f} | "

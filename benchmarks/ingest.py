@@ -60,7 +60,7 @@ def describe_default_pool(cpus: int) -> str:
     """What ``default`` resolves to on this machine (read from the project's config and sizing code)."""
     try:
         from pipelines.config import TokenizeConfig
-        from pipelines.stream.dataset import tokenizer_placement, tokenizer_pool_size
+        from pipelines.stream.placement import tokenizer_placement, tokenizer_pool_size
 
         tok = TokenizeConfig()
         lo, hi = tokenizer_pool_size(tok, float(cpus))

@@ -154,6 +154,10 @@ class DatasetConfig(_Strict):
     """One source of samples and how to turn its records into text and labels."""
 
     path: str = Field(..., description="File, directory, glob or URL (s3://, gs://). Relative to the config file or cwd.")
+    name: str | None = Field(
+        None, description="What names this source in the data position and across resumes (run.on_data_change: "
+        "continue matches sources by it); default: path as written. Unique within data.datasets."
+    )
     format: DatasetFormat = Field("auto", description="auto: from the file extension (or index.json for mds).")
     type: DatasetType = Field("alpaca", description="How a record becomes prompt/response text.")
     weight: float = Field(1.0, gt=0, description="Mixing weight: share of tokens (data.mix_by) from this source.")
@@ -292,7 +296,7 @@ class DataConfig(_Strict):
                             "where the read tasks tokenize or check ids themselves (see read_concurrency).")
     read_concurrency: int | Literal["auto"] | None = Field(
         "auto", description="Read tasks running at once; auto: one per tokenizer actor of the pool at its largest (1 "
-        "on a 2-CPU machine, where B2 is ~30% faster than with Ray's default), one per CPU of the cluster when every "
+        "on a 2-CPU machine: each read task beside another takes a worker process on the tokenizer's cores), one per CPU of the cluster when every "
         "source is pre-tokenized MDS. Where the read tasks tokenize (data.tokenize.placement) or check ids, auto "
         "also makes no more read tasks than run at once (one round), and for pre-tokenized MDS no more than one per "
         "128 MB of uncompressed shards; null: as many as the CPUs allow (Ray's default)."
@@ -319,6 +323,10 @@ class DataConfig(_Strict):
     def _eval_sources(self) -> DataConfig:
         if self.eval_datasets and self.eval_fraction:
             raise ValueError("set either eval_datasets or eval_fraction, not both")
+        keys = [d.name or d.path for d in self.datasets]
+        if dupes := sorted({k for k in keys if keys.count(k) > 1}):
+            raise ValueError(f"datasets: {', '.join(map(repr, dupes))} names more than one entry; give each a "
+                             "distinct name (it names the source in the data position and across resumes)")
         return self
 
 
@@ -327,6 +335,16 @@ class DataConfig(_Strict):
 
 class TrainConfig(_Strict):
     """The optimisation loop run by each Ray Train worker."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed(cls, values: Any) -> Any:
+        if isinstance(values, dict) and "local_shuffle_buffer_size" in values:
+            raise ValueError("local_shuffle_buffer_size was removed: every rank trains on its slice of one "
+                             "deterministic stream (exactly once, resumable), which is shuffled by data.shuffle_seed "
+                             "(the file order each epoch and the rows of each packing unit); a larger "
+                             "data.pack_buffer_size shuffles over more samples")
+        return values
 
     micro_batch_size: int = Field(1, gt=0, description="Packed rows per worker per forward pass.")
     gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step on each worker.")
@@ -351,10 +369,8 @@ class TrainConfig(_Strict):
     checkpoint_every_steps: int | None = Field(None, gt=0, description="Checkpoint (model, optimizer, data position) every this many steps; the run always ends on one.")
     eval_every_steps: int | None = Field(None, gt=0, description="Evaluate on the eval split every this many steps.")
     eval_max_batches: int | None = Field(None, gt=0, description="Cap on eval micro-batches per rank.")
-    local_shuffle_buffer_size: int | None = Field(
-        None, gt=0, description="Rows shuffled in each worker's iterator buffer (seeded by data.shuffle_seed)."
-    )
-    prefetch_batches: int = Field(2, ge=0, description="Batches each worker prefetches from its data iterator.")
+    prefetch_batches: int = Field(2, ge=0, description="Eval batches each worker prefetches from its eval shard (the "
+                                  "training rows come from the feeder, which prefetches whole steps).")
     export_merged: bool = Field(
         False, description="With model.adapter: also export the base with the adapter merged in "
         "(<run dir>/model, a plain Hugging Face model) next to the adapter (<run dir>/adapter)."
@@ -389,10 +405,12 @@ class RunConfig(_Strict):
         "worker to Ray's per-report 'Reporting training result ... TrainingReport(...)' lines (INFO, every rank); "
         "INFO or DEBUG to see them."
     )
-    on_data_change: Literal["fail", "restart"] = Field(
+    on_data_change: Literal["fail", "restart", "continue"] = Field(
         "fail", description="Resuming after the row stream changed (data, tokenizer, sequence_len, packing, seed, "
         "mixing): fail names the change before training; restart keeps the weights and restarts the data at the "
-        "start of the current epoch (logged, and marked in the ledger).")
+        "start of the current epoch; continue, for datasets added, removed or reweighted (mix_by tokens or "
+        "samples), keeps every unchanged source's exactly-once position, starts a new one at its beginning and "
+        "applies the new weights from the resume step. Restarts and changes are logged and marked in the ledger.")
 
 
 class StorageConfig(_Strict):

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-__all__ = ["RecordError"]
+__all__ = ["BadRecordError", "RecordError"]
 
 
 class RecordError(ValueError):
     """A record that cannot be formatted; the message says why (the caller adds where)."""
+
+
+class BadRecordError(ValueError):
+    """A record that cannot be used; the message names the file and line/row."""

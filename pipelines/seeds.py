@@ -7,7 +7,6 @@ run must see the same order as the run it continues). Derivations:
 * file read order of a stream epoch: :func:`file_order`;
 * the stream epoch of a cycle pass of a mixed source: :func:`stream_epoch`;
 * the row shuffle of one packing unit: :func:`unit_shuffle_seed`;
-* the trainer's optional local shuffle buffer (Ray Train's ``iter_torch_batches`` path): :func:`local_shuffle_seed`;
 * the eval split membership of a sample (a hash of its id, no seed): :func:`splitmix64`.
 """
 
@@ -17,7 +16,7 @@ import random
 
 import numpy as np
 
-__all__ = ["PASS_STRIDE", "file_order", "local_shuffle_seed", "splitmix64", "stream_epoch", "unit_shuffle_seed"]
+__all__ = ["PASS_STRIDE", "file_order", "splitmix64", "stream_epoch", "unit_shuffle_seed"]
 
 PASS_STRIDE = 1000  # a cycle pass p of epoch e reads in the order of stream epoch e * 1000 + p
 
@@ -50,11 +49,6 @@ def unit_shuffle_seed(seed: int, epoch: int, unit_id: int) -> np.random.SeedSequ
     file i+256 shuffled alike, and ``seed + 1_000_003 * epoch`` aliased seeds with epochs.)
     """
     return np.random.SeedSequence([UNIT_SHUFFLE_DOMAIN, seed & U64, epoch & U64, unit_id & U64])
-
-
-def local_shuffle_seed(seed: int, epoch: int, rank: int) -> int:
-    """Seed of a rank's local shuffle buffer, e.g. shuffle_seed 42, epoch 1, rank 0 -> 1051."""
-    return seed + 1009 * epoch + rank
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:

@@ -7,8 +7,8 @@ Each stage accumulates a :class:`Counts` per batch and sends it to one small ``D
 
 One ``DataStats`` actor serves every stream a process builds, each under a key of its own
 (:func:`stats_sink`). An actor is a worker process of its own, and the feeder opens a stream per source
-and per epoch: with an actor per stream, 2 sources over 4 epochs kept 8 of them alive (995 MB RSS), and
-each started on the path of its stream's first row (``benchmarks/reopen.py``, BENCHMARKS.md).
+and per epoch: an actor per stream would keep one process alive per stream, each started on the path of
+its stream's first row (docs/design.md, "Placement and timing notes").
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 
 from pipelines.config import Config, ConfigError, DataConfig, DatasetConfig, StorageConfig, load_config  # noqa: E402
-from pipelines.sources.listing import SourceError, SourceFile, SourceTable, resolve_dataset, resolve_sources  # noqa: E402
+from pipelines.sources.listing import SourceError, SourceFile, SourceTable, resolve_dataset  # noqa: E402
 from pipelines.storage import StorageError, StorageOptions  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -201,7 +201,8 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
     from pipelines.mds.writer import MDSDatasink, parse_size
     from pipelines.sources.datasource import ReadOptions, ShardDatasource
     from pipelines.stats import StatsSink, format_report, stats_sink
-    from pipelines.stream.dataset import read_concurrency, tokenizer_stage
+    from pipelines.stream.dataset import tokenizer_stage
+    from pipelines.stream.spec import build_spec
     from pipelines.stream.units import READ_BLOCK_BYTES
 
     t0 = time.perf_counter()
@@ -210,7 +211,8 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
     if args.tokenize:
         assert cfg is not None
         cfg.storage = StorageConfig(endpoint_url=opts.endpoint_url, region=opts.region, retries=opts.retries)
-        table = resolve_sources(cfg, args.split)
+        spec = build_spec(cfg, args.split)
+        table = spec.table
     else:
         table = raw_table(args.input, args.format, opts)
     read_opts = ReadOptions(storage=opts, on_bad_record=cfg.data.on_bad_record if cfg else "raise",
@@ -223,7 +225,7 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
     order = list(range(len(table.files)))
     source = ShardDatasource(table, order, read_opts, StatsSink(), first_unit_task=False)  # no first row to hurry
     ds = ray.data.read_datasource(source, override_num_blocks=max(1, min(len(order), tasks)), num_cpus=worker_cpus,
-                                  concurrency=read_concurrency(cfg, token_ids=False) if args.tokenize else None)
+                                  concurrency=spec.placement.reads_at_once(token_ids=False) if args.tokenize else None)
     ds.context.execution_options.preserve_order = True
     # Units leave the read tasks as they are read (Ray's default would hold a task's blocks up to 128 MB:
     # the tokenizer would wait for whole read tasks, and the writes for the whole tokenizer stage).
@@ -235,7 +237,7 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
     if args.tokenize:
         assert cfg is not None
         sink_stats = stats_sink()
-        ds = tokenizer_stage(ds, cfg, table, sink_stats)
+        ds = tokenizer_stage(ds, spec, sink_stats)
         ds = ds.map_batches(_keep_tokenized, batch_size=None, batch_format="pyarrow", num_cpus=worker_cpus)
         meta = json.dumps(tokenized_meta(cfg, table), indent=1).encode("utf-8")
         sink = MDSDatasink(args.output, TOKENIZED_COLUMNS, extra_files={"tokenized.json": meta}, **common)

@@ -262,7 +262,7 @@ def placement_problems(cfg: Config, groups: list[NodeGroup]) -> list[str]:
     trainer_request = dict(
         cfg.scaling.resources_per_worker or {"CPU": 1.0, "GPU": float(cfg.scaling.use_gpu)}
     )
-    # A mix streams its sources side by side, one tokenizer pool each (pipelines.stream.feeder.StreamPlan).
+    # A mix streams its sources side by side, one tokenizer pool each (pipelines.stream.spec.MixSource).
     streams = len(cfg.data.datasets) if cfg.data.mix_by != "none" else 1
     pools = {
         "tokenizer": ({"CPU": tok.num_cpus, **tok.resources},
@@ -696,7 +696,7 @@ def test_placement_check_catches_misplacement() -> None:
     greedy.scaling.num_workers = 9
     assert any("9 trainers" in p for p in placement_problems(greedy, groups))
     mixed = cfg.model_copy(deep=True)  # two mixed sources: two pools of num_actors each
-    mixed.data.datasets = [mixed.data.datasets[0], mixed.data.datasets[0].model_copy(update={"weight": 0.5})]
+    mixed.data.datasets = [mixed.data.datasets[0], mixed.data.datasets[0].model_copy(update={"weight": 0.5, "name": "again"})]
     assert placement_problems(cfg, groups) == []
     assert any(f"{2 * cfg.data.tokenize.num_actors} tokenizers" in p for p in placement_problems(mixed, groups))
 

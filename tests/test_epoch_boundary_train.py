@@ -14,7 +14,7 @@ from conftest import write_jsonl
 
 from pipelines.config import config_from_dict
 from pipelines.sources.listing import make_sample_id
-from pipelines.stream.state import Ledger, sample_counts
+from pipelines.stream.ledger import Ledger, sample_counts
 
 N = 16
 pytestmark = pytest.mark.timeout(900)

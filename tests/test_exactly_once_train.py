@@ -18,7 +18,7 @@ from conftest import write_jsonl
 
 from pipelines.config import config_from_dict
 from pipelines.sources.listing import make_sample_id, split_sample_id
-from pipelines.stream.state import Ledger, sample_counts
+from pipelines.stream.ledger import Ledger, sample_counts
 
 N_SAMPLES, N_FILES = 600, 3
 pytestmark = pytest.mark.timeout(900)
@@ -45,7 +45,8 @@ def _data(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def _config(tmp_path: Path, name: str, workers: int, *, tokenize: dict | None = None,
-            worker_resources: dict | None = None, max_failures: int = 2, **train):
+            worker_resources: dict | None = None, max_failures: int = 2, datasets: int = 2,
+            on_data_change: str = "fail", **train):
     """The tiny run; ``tokenize``/``worker_resources`` place the actors (tests/test_node_loss.py)."""
     raw = {
         "model": {"tokenizer": "demo://tokenizer",
@@ -53,14 +54,14 @@ def _config(tmp_path: Path, name: str, workers: int, *, tokenize: dict | None = 
                            "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 256}},
         "data": {"sequence_len": 128, "packing": "bfd", "pack_buffer_size": 40, "shuffle_seed": 5,
                  "datasets": [{"path": str(d), "type": "input_output", "weight": w}
-                              for d, w in zip(_data(tmp_path), WEIGHTS, strict=True)],
+                              for d, w in list(zip(_data(tmp_path), WEIGHTS, strict=True))[:datasets]],
                  "tokenize": tokenize or {"num_actors": 1, "num_cpus": 0.25}},
         "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "epochs": 1, "learning_rate": 3e-3,
                   "warmup_steps": 2, "lr_scheduler": "constant", "log_every_steps": 1,
                   "checkpoint_every_steps": 3, "deepspeed": "zero0", **train},
         "scaling": {"num_workers": workers, "resources_per_worker": worker_resources or {"CPU": 0.5}},
         "run": {"name": name, "storage_path": str(tmp_path / "runs"), "max_failures": max_failures,
-                "export_model": False},
+                "export_model": False, "on_data_change": on_data_change},
     }
     return config_from_dict(raw)
 
@@ -137,3 +138,23 @@ def test_world_size_changes_across_resumes_are_exactly_once(ray_local, tmp_path)
     entries = _ledger(tmp_path, name)
     _assert_exactly_once(entries)
     assert [len(e.ranks) for e in entries] == [2] * 5 + [1] * 5 + [2] * (len(entries) - 10)
+
+
+def test_a_dataset_added_on_resume_joins_the_mix_and_every_sample_is_trained_once(ray_local, tmp_path):
+    """A run of the first dataset alone stops mid-epoch; the same run resumed with the second dataset added
+    (run.on_data_change: continue) trains the rest of the first and all of the second, each sample once,
+    and its ledger records the change at the resume step. Without continue the resume is refused."""
+    from pipelines.train.checkpoint import CheckpointError
+
+    name = "grow"
+    _fit(_config(tmp_path, name, 2, datasets=1, max_steps=4))
+    head = _ledger(tmp_path, name)
+    assert len(head) == 4 and {split_sample_id(s)[0] for e in head for s in e.sample_ids()} <= {0, 1}
+    with pytest.raises(CheckpointError, match=r"data.datasets\[1\].path"):
+        _fit(_config(tmp_path, name, 2))  # fail, the default: refused before any worker starts
+    _fit(_config(tmp_path, name, 2, on_data_change="continue"))
+    entries = _ledger(tmp_path, name)
+    _assert_exactly_once(entries)
+    assert any(split_sample_id(s)[0] == 2 for s in entries[4].sample_ids())  # the new dataset from the resume step
+    (change,) = Ledger(pafs.LocalFileSystem(), str(tmp_path / "runs" / name / "ledger")).changes()
+    assert change["after_step"] == 4 and any("qa_more" in line and "added" in line for line in change["changes"])

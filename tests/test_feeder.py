@@ -9,8 +9,9 @@ from __future__ import annotations
 import ray
 from conftest import make_config, write_jsonl
 
-from pipelines.stream.feeder import FeederClient, start_feeder
-from pipelines.stream.state import Ledger, sample_counts
+from pipelines.stream.client import FeederClient
+from pipelines.stream.feeder import start_feeder
+from pipelines.stream.ledger import Ledger, sample_counts
 
 N_FILES, PER_FILE = 4, 120
 
@@ -106,7 +107,7 @@ def test_restore_forgets_uncommitted_steps_in_the_ledger(tmp_path, ray_local):
 
 def test_pools_short_counts_every_mixed_source_at_its_smallest_pool():
     from pipelines.config import TokenizeConfig
-    from pipelines.stream.dataset import tokenizer_pools_short
+    from pipelines.stream.placement import tokenizer_pools_short
 
     pinned = TokenizeConfig(num_actors=1, num_cpus=0.25, resources={"cpu_node": 1})
     # two sources, one cpu_node slot: the second pool can never start (tests/test_node_loss.py's old cluster)
@@ -121,19 +122,24 @@ def test_pools_short_counts_every_mixed_source_at_its_smallest_pool():
 
 
 def test_feeder_warns_when_the_cluster_cannot_start_every_mixed_pool(tmp_path, ray_local, caplog):
-    from pipelines.stream.feeder import StreamPlan
+    from pipelines.stream.feeder import warn_if_pools_short
+    from pipelines.stream.spec import build_spec
 
     paths = [write_jsonl(tmp_path / f"{name}.jsonl", [{"text": f"{name} {i}"} for i in range(5)])
              for name in ("a", "b")]
     datasets = [{"path": str(p), "type": "completion", "weight": 1.0} for p in paths]
     pinned = {"num_actors": 1, "num_cpus": 0.25, "resources": {"cpu_node": 1}}
+
+    def warn(cfg):
+        warn_if_pools_short(build_spec(cfg, "train"), ray.cluster_resources())
+
     with caplog.at_level("WARNING", logger="pipelines.stream.feeder"):
-        StreamPlan(make_config(datasets, tokenize=pinned), "train")
+        warn(make_config(datasets, tokenize=pinned))
     assert "2 mixed sources" in caplog.text and "cpu_node: 2 needed, 0 in the cluster" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="pipelines.stream.feeder"):
-        StreamPlan(make_config(datasets, tokenize={"num_actors": 1, "num_cpus": 0.25}), "train")  # 0.5 of 2 CPUs
-        StreamPlan(make_config(datasets[:1], tokenize=pinned), "train")  # one source: placement is Ray's to report
+        warn(make_config(datasets, tokenize={"num_actors": 1, "num_cpus": 0.25}))  # 0.5 of 2 CPUs
+        warn(make_config(datasets[:1], tokenize=pinned))  # one source: placement is Ray's to report
     assert "mixed sources" not in caplog.text
 
 
@@ -150,8 +156,8 @@ def _block_rows(seed: int, n: int) -> dict[str, list]:
 def test_a_rank_fetches_each_block_once_and_gets_exactly_its_rows(ray_local, monkeypatch):
     import pyarrow as pa
 
-    from pipelines import feeder as F
-    from pipelines.stream.feeder import BlockColumns, RankItem, RowSlice
+    from pipelines.stream import blocks as F
+    from pipelines.stream.blocks import BlockColumns, RankItem, RowSlice
 
     rows = {k: _block_rows(k, 6) for k in range(3)}
     a, b, c = (ray.put(pa.table(rows[k])) for k in range(3))

@@ -13,9 +13,10 @@ import pytest
 import ray
 from test_feeder import N_FILES, PER_FILE, _config, drive
 
-from pipelines.stream.feeder import FeederClient, start_feeder
-from pipelines.stream.state import Ledger, sample_counts
-from pipelines.train.feed import resume_epoch
+from pipelines.stream.client import FeederClient
+from pipelines.stream.feeder import start_feeder
+from pipelines.stream.ledger import Ledger, sample_counts
+from pipelines.stream.state import DataState
 
 WORLD, K = 2, 3
 
@@ -42,7 +43,7 @@ def test_checkpoint_at_an_epoch_boundary_resumes_into_the_next_epoch(tmp_path, r
     head, last = drive(first, WORLD, max_steps=at)  # the epoch-end item is not fetched yet
     state = ray.get(first.commit.remote(last))
     ray.kill(first)
-    assert resume_epoch(state) == 1  # the loop goes on with epoch 1, not an empty rest of epoch 0
+    assert DataState.from_dict(state).next_epoch == 1  # the loop goes on with epoch 1, not an empty rest of epoch 0
     second = start_feeder(cfg, WORLD, K, state, root, epochs=2)
     tail = _epochs_of(second)
     assert tail and tail[0][0] == 1 and tail[0][1] == at + 1  # first item: a step of epoch 1

@@ -66,7 +66,7 @@ def child() -> None:
             return ray.get_runtime_context().get_node_id()
 
         def chunks(self, ds: ray.data.Dataset) -> list[tuple]:
-            from pipelines.stream.feeder import _chunks_of
+            from pipelines.stream.blocks import chunks_of as _chunks_of
 
             return [(c.block, c.offset, c.tokens, c.sample_offsets, c.sample_values, c.units) for c in _chunks_of(ds)]
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pipelines.config import load_config
-from pipelines.stream.state import Ledger, sample_counts
+from pipelines.stream.ledger import Ledger, sample_counts
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY, KILL_AT = 12, 4, 7

@@ -217,7 +217,7 @@ def test_pretokenized_sets_pack_inside_the_read_tasks(ray_local, tmp_path, gpt2,
                         columns={"tokens": "ndarray:int32"})
     import ray
 
-    from pipelines import dataset
+    from pipelines.stream import dataset
     from pipelines.stream.dataset import CheckAndPack, id_read_tasks
 
     index = json.loads((root / "index.json").read_text())
@@ -318,8 +318,7 @@ def test_a_resumed_stream_reads_as_its_epoch_did(tmp_path, gpt2, monkeypatch):
     from its whole epoch: resumed past its last JSONL file, a mixed stream still cuts its MDS units as
     JSON records, and gives exactly the rows the unbroken stream gave from there on."""
     import pipelines.sources.datasource as datasource_mod
-    from pipelines.stream.dataset import ordered_files
-    from pipelines.stream.units import ResumePoint, file_positions
+    from pipelines.stream.units import ResumePoint, file_positions, ordered_files
 
     texts = [json.loads(line)["text"] for line in C4.read_text().splitlines()[:80]]
     root = mosaic_write(tmp_path / "concat", [{"tokens": c} for c in _concat_chunks(gpt2, texts, 200)], "zstd",
@@ -329,7 +328,7 @@ def test_a_resumed_stream_reads_as_its_epoch_did(tmp_path, gpt2, monkeypatch):
         cfg = make_config([{"path": str(ALPACA), "type": "alpaca"}, {"path": str(root)}], sequence_len=512,
                           shuffle_seed=seed)
         table = resolve_sources(cfg)
-        order = ordered_files(cfg, table, 0)
+        order = ordered_files(table, cfg.data.shuffle_seed, 0)
         k = 1 + max(pos for pos, i in enumerate(order) if table.files[i].format != "mds")
         if k < len(order) - 2:
             break

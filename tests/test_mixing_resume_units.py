@@ -8,8 +8,10 @@ import pytest
 
 from pipelines.sources.listing import make_sample_id
 from pipelines.stream.dataset import ResumePoint
-from pipelines.stream.mixing import Mixer, fresh_states
-from pipelines.stream.state import DataState, Ledger, LedgerEntry, SourceState, point_after, sample_counts
+from pipelines.stream.ledger import Ledger, LedgerEntry, sample_counts
+from pipelines.stream.mixing import UNIT_COLUMNS, Chunk, Mixer, fresh_states
+from pipelines.stream.state import DataState, SourceState
+from pipelines.stream.units import point_after
 
 
 def fake_source(source: int, lengths: list[int], unit: int = 10):
@@ -27,6 +29,13 @@ def fake_source(source: int, lengths: list[int], unit: int = 10):
     return rows
 
 
+def row_chunk(row: dict) -> Chunk:
+    """A one-row chunk whose block is the row dict itself (the mixer reads only the small arrays)."""
+    return Chunk([row], 0, np.array([len(row["input_ids"])], np.int64),
+                 np.array([0, len(row["sample_ids"])], np.int64), np.array(row["sample_ids"], np.int64),
+                 {k: np.array([row[k]], np.int64) for k in UNIT_COLUMNS})
+
+
 def opener_for(sources: list[list[dict]]):
     """An opener that resumes a fake source at a ResumePoint (unit start row + rows to skip)."""
     opened = []
@@ -35,15 +44,16 @@ def opener_for(sources: list[list[dict]]):
         p = state.point
         start = p.row + p.skip_rows
         opened.append((i, p))
-        return iter(sources[i][start:]), {i: 0}
+        return map(row_chunk, sources[i][start:]), {i: 0}
 
     return open_, opened
 
 
 def _run(mixer: Mixer, limit: int | None = None):
+    """``(source, row dict)`` of each row the mixer takes, one at a time."""
     out = []
-    while (limit is None or len(out) < limit) and (nxt := mixer.next()) is not None:
-        out.append(nxt)
+    while (limit is None or len(out) < limit) and (picked := mixer.take(1)):
+        out.append((picked[0].source, picked[0].chunk.block[picked[0].start]))
     return out
 
 

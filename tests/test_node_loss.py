@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_exactly_once_train import _assert_exactly_once, _ledger
 
-from pipelines.stream.state import sample_counts
+from pipelines.stream.ledger import sample_counts
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

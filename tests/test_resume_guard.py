@@ -17,15 +17,11 @@ import pytest
 from conftest import write_jsonl
 
 from pipelines.config import config_from_dict
-from pipelines.stream.state import (
-    DATA_STATE_VERSION,
-    DataState,
-    DataStateError,
-    Ledger,
-    SourceState,
-    fingerprint_changes,
-    stream_fingerprint,
-)
+from pipelines.stream.ledger import Ledger
+from pipelines.stream.resume import DataChangeError, resume_state
+from pipelines.stream.resume import state_problem as data_state_problem
+from pipelines.stream.spec import build_spec, fingerprint_changes, stream_fingerprint
+from pipelines.stream.state import DATA_STATE_VERSION, DataState, DataStateError, SourceState
 from pipelines.train.checkpoint import (
     MANIFEST,
     STATE_FILE,
@@ -33,10 +29,8 @@ from pipelines.train.checkpoint import (
     TrainerState,
     check_world_size,
     checkpoint_dir_name,
-    data_state_problem,
     newer_unregistered,
     newest_complete,
-    resume_data_state,
 )
 
 
@@ -124,16 +118,13 @@ def test_data_state_problem_and_restart_opt_in(tmp_path):
     assert "version" in data_state_problem({**saved, "version": 99}, 4, fp)
     assert "no fingerprint" in data_state_problem({**saved, "fingerprint": {}}, 4, fp)
 
-    state = TrainerState(step=4, epoch=1, data_state=saved)
-    ledger = Ledger(pafs.LocalFileSystem(), str(tmp_path / "ledger"))
-    with pytest.raises(CheckpointError, match="data.sequence_len: 512 -> 256"):
-        resume_data_state(cfg, state, fp2, ledger)
-    assert ledger.restarts() == []
-    cfg.run.on_data_change = "restart"
-    restarted = DataState.from_dict(resume_data_state(cfg, state, fp2, ledger))
-    assert (restarted.epoch, restarted.step, restarted.epoch_done, restarted.sources) == (0, 4, True, [])
-    assert [r["after_step"] for r in ledger.restarts()] == [4]
-    assert "sequence_len" in ledger.restarts()[0]["reason"]
+    spec2 = build_spec(_cfg(tmp_path, sequence_len=256))
+    with pytest.raises(DataChangeError, match="data.sequence_len: 512 -> 256"):
+        resume_state(saved, 4, 1, spec2, "fail", "step 4")
+    restarted = resume_state(saved, 4, 1, spec2, "restart", "step 4")
+    state = restarted.state
+    assert (state.epoch, state.step, state.epoch_done, state.sources) == (0, 4, True, [])
+    assert restarted.kind == "restart" and "sequence_len" in restarted.changes[0]
 
 
 def _fake_checkpoint(root: Path, step: int) -> Path:

@@ -16,7 +16,7 @@ from itertools import zip_longest
 from conftest import ALPACA, GPT2, LIMA, RAY_LOCAL_INIT, ROOT, make_config, needs_shared
 
 from pipelines.stats import StatsSink
-from pipelines.stream.dataset import build_dataset, data_report, iter_packed_local
+from pipelines.stream.dataset import build_dataset, data_report, iter_packed_local, stats_of
 
 pytestmark = needs_shared
 
@@ -49,9 +49,9 @@ def test_streams_of_one_process_share_one_stats_actor_and_keep_their_own_counts(
     rows.append(streams[-1].count())
     started = _alive_stats_actors() - before
     assert len(started) <= 1, f"three streams of one process started {len(started)} DataStats actors"
-    actors = {ds.pipelines_stats.actor._actor_id.hex() for ds in streams}
+    actors = {stats_of(ds).actor._actor_id.hex() for ds in streams}
     assert len(actors) == 1 and actors <= _alive_stats_actors()
-    assert len({ds.pipelines_stats.key for ds in streams}) == 3
+    assert len({stats_of(ds).key for ds in streams}) == 3
     expected = [_local_counters(alpaca), _local_counters(lima), _local_counters(alpaca, epoch=1)]
     assert expected[0] != expected[1] and expected[0]["rows"] > 0 and expected[1]["rows"] > 0
     for ds, want, n_rows in zip(streams, expected, rows, strict=True):
@@ -65,14 +65,14 @@ import json, sys
 sys.path.insert(0, {root!r})
 import ray
 from pipelines.config import config_from_dict
-from pipelines.stream.dataset import build_dataset, data_report
+from pipelines.stream.dataset import build_dataset, data_report, stats_of
 from pipelines.ray_local import init_local
 cfg = config_from_dict({cfg!r})
 out = []
 for _ in range(2):  # a notebook that restarts Ray
     init_local(**{init!r})
     ds = build_dataset(cfg)
-    out.append([ds.count(), data_report(ds)["counters"]["rows"], ds.pipelines_stats.actor._actor_id.hex()])
+    out.append([ds.count(), data_report(ds)["counters"]["rows"], stats_of(ds).actor._actor_id.hex()])
     del ds
     ray.shutdown()
 print("RESULT " + json.dumps(out))

@@ -18,7 +18,8 @@ import pytest
 from conftest import ALPACA, GLAIVE, GPT2, SMOLLM2, make_config, needs_shared, read_op, write_jsonl
 
 from pipelines.config import TokenizeConfig
-from pipelines.stream.dataset import tokenizer_placement
+from pipelines.stream.placement import tokenizer_placement
+from pipelines.stream.spec import build_spec
 
 ROW_COLUMNS = ["input_ids", "labels", "position_ids", "sample_ids"]
 
@@ -88,12 +89,12 @@ def test_both_placements_give_the_rows_and_counts_of_the_local_path(ray_local, t
             assert _operators(ds) == ["Operator 1 ReadReadShards"]  # inside the read tasks: tasks only
             assert _read_stage(ds).stage is TokenizeAndPack
             assert _read_stage(ds).isolated  # the chat template loads transformers: workers of its own
-            assert read_task_args(cfg, _read_stage(ds)) == {
+            assert read_task_args(build_spec(cfg).placement, _read_stage(ds)) == {
                 "num_cpus": 0.5, "resources": None, "runtime_env": {"env_vars": tokenizer_env(1)}}
         else:
             assert _operators(ds) == ["Operator 1 ReadReadShards", "Operator 2 MapBatches(TokenizeAndPack)"]
             assert _read_stage(ds) is None
-            assert read_task_args(cfg, None) == {"num_cpus": cfg.data.read_num_cpus}
+            assert read_task_args(build_spec(cfg).placement, None) == {"num_cpus": cfg.data.read_num_cpus}
     assert reports["read_tasks"] == reports["actors"]
     assert reports["actors"]["samples_tokenized"] == 750 and reports["actors"]["tokens"] > 100_000
     assert reports["actors"]["rows"] == got["actors"].num_rows
@@ -150,7 +151,7 @@ def test_a_tokenizer_without_transformers_runs_in_shared_read_workers(ray_local,
     stage = _read_stage(ds)
     assert stage.stage is TokenizeAndPack and not stage.isolated
     assert stage.env == rust_thread_env(3) == {"RAYON_NUM_THREADS": "3", "TOKENIZERS_PARALLELISM": "true"}
-    assert read_task_args(cfg, stage) == {"num_cpus": 0.5, "resources": None}
+    assert read_task_args(build_spec(cfg).placement, stage) == {"num_cpus": 0.5, "resources": None}
     got = _rows(ds)
     assert got.num_rows > 20 and got.to_pylist() == pa.concat_tables(iter_packed_local(cfg)).select(ROW_COLUMNS).to_pylist()
     after = ray.get([probe.remote() for _ in range(12)])
@@ -163,9 +164,9 @@ for k in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM", "USE_TORCH"):
     os.environ.pop(k, None)
 from tokenizers import Tokenizer as RustTokenizer
 from pipelines.config import config_from_dict
-from pipelines.stream.dataset import _pack_options, _read_options, ordered_files, read_task_stage
+from pipelines.stream.dataset import _pack_options, _read_options, read_task_stage
+from pipelines.stream.spec import build_spec
 from pipelines.sources.datasource import read_files
-from pipelines.sources.listing import resolve_sources
 from pipelines.stats import StatsSink
 
 tokenizer, data, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -173,13 +174,14 @@ cfg = config_from_dict({"model": {"tokenizer": tokenizer, "init": {}},
                         "data": {"datasets": [{"path": data, "type": "alpaca"}], "sequence_len": 512,
                                  "tokenize": {"placement": "read_tasks", "num_actors": 1, "threads": threads}}},
                        base_dir=".")
-table = resolve_sources(cfg)
-order = ordered_files(cfg, table, 0)
-stage = read_task_stage(cfg, table, StatsSink(), _pack_options(cfg, 0), token_ids=False)
+spec = build_spec(cfg)
+table = spec.table
+order = spec.files(0)
+stage = read_task_stage(spec, StatsSink(), _pack_options(cfg.data, 0), token_ids=False)
 seen = set()
 
 def blocks():
-    for block in read_files([table.files[i] for i in order], _read_options(cfg, table, "train", order), StatsSink()):
+    for block in read_files([table.files[i] for i in order], _read_options(spec, order), StatsSink()):
         seen.add((os.environ.get("RAYON_NUM_THREADS"), os.environ.get("TOKENIZERS_PARALLELISM")))
         yield block
 

@@ -34,12 +34,13 @@ def _cfg(tmp_path, placement: str = "auto"):
 
 @needs_shared
 def test_read_blocks_are_one_row_per_unit_and_first_unit_is_small(tmp_path):
-    from pipelines.sources.listing import resolve_sources
     from pipelines.stream.dataset import _read_options
+    from pipelines.stream.spec import build_spec
 
     cfg = _cfg(tmp_path)
-    table = resolve_sources(cfg)
-    blocks = list(read_files(list(table.files), _read_options(cfg, table, "train", list(range(len(table.files)))), StatsSink()))
+    spec = build_spec(cfg)
+    table = spec.table
+    blocks = list(read_files(list(table.files), _read_options(spec, list(range(len(table.files)))), StatsSink()))
     assert all(b.num_rows == 1 for b in blocks)
     sizes = [b.column("unit_records")[0].as_py() for b in blocks]
     n = 1029 * COPIES
@@ -80,12 +81,14 @@ def _split_and_whole(cfg, order: list[int], parallelism: int, start=None):
     """Blocks and counts of ``read_files`` over the whole ``order``, and of the datasource's read tasks;
     ``start`` (a :class:`~pipelines.stream.dataset.ResumePoint`) resumes both as ``build_dataset`` does."""
     from pipelines.sources.datasource import ShardDatasource
-    from pipelines.sources.listing import resolve_sources
-    from pipelines.stream.dataset import _read_options, _start
+    from pipelines.stream.dataset import ResumePoint, _read_options
+    from pipelines.stream.spec import build_spec
 
-    table = resolve_sources(cfg)
-    opts = _read_options(cfg, table, "train", order)
-    first, cursor, skip = _start(start)
+    spec = build_spec(cfg)
+    table = spec.table
+    opts = _read_options(spec, order)
+    start = start or ResumePoint()
+    first, cursor, skip = start.file_pos, start.cursor, start.skip_rows
     files = order[first:]
     whole = StatsSink()
     expected = list(read_files([table.files[i] for i in files], opts, whole, cursor, skip))
@@ -149,8 +152,8 @@ def test_feeder_skips_the_empty_block_of_a_read_task_without_units(ray_local, tm
     import ray
 
     from pipelines.config import config_from_dict
+    from pipelines.stream.blocks import chunks_of as _chunks_of
     from pipelines.stream.dataset import build_dataset, iter_packed_local
-    from pipelines.stream.feeder import _chunks_of
 
     write_jsonl(tmp_path / "part-0.jsonl", [{"text": f"record {i} " + "word " * (3 + i % 5)} for i in range(16)])
     cfg = config_from_dict({
@@ -168,10 +171,14 @@ def test_feeder_skips_the_empty_block_of_a_read_task_without_units(ray_local, tm
 
 
 def test_read_concurrency_follows_the_tokenizer_pool():
-    from pipelines.stream.dataset import read_concurrency
+    from pipelines.stream.placement import Placement
 
     def cfg(**data):
         return make_config([{"path": "unused.jsonl", "type": "alpaca"}], **data)
+
+    def read_concurrency(c, token_ids, cpus=None):
+        d = c.data
+        return Placement.resolve(d.tokenize, d.read_num_cpus, d.read_tasks, d.read_concurrency, cpus).reads_at_once(token_ids)
 
     # null: Ray's own cap (as many as the CPUs allow)
     assert read_concurrency(cfg(tokenize={"num_actors": 1}, read_concurrency=None), token_ids=False) is None
@@ -216,7 +223,8 @@ def test_read_tasks_that_tokenize_run_in_one_round(ray_local, tmp_path):
     run at once: one task follows another in the same slot only after a scheduling round, with its tokenizer
     pipeline to fill again. A cap set by hand keeps ``read_tasks``; an actor pool keeps them too. The rows are
     the same every way."""
-    from pipelines.stream.dataset import build_dataset, iter_packed_local, tokenizer_placement
+    from pipelines.stream.dataset import build_dataset, iter_packed_local
+    from pipelines.stream.placement import tokenizer_placement
 
     records = json.loads(LIMA.read_text(encoding="utf-8"))[:600]
     paths = [write_jsonl(tmp_path / f"part{i}.jsonl", records[i::4]) for i in range(4)]

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pyarrow.fs as pafs
 
-from pipelines.config import Config
+from pipelines.config import ModelConfig
 from pipelines.mds import codec as mosaic
 from pipelines.mds.index import (
     HASH_PREFERENCE,
@@ -236,7 +236,7 @@ def _mds_roots(table: SourceTable) -> dict[str, tuple[int, list[str]]]:
     return roots
 
 
-def check_tokenized_sources(cfg: Config, table: SourceTable) -> None:
+def check_tokenized_sources(model: ModelConfig, table: SourceTable) -> None:
     """Refuse a pre-tokenized MDS set made with another tokenizer than ``model.tokenizer``, naming both.
 
     Sets without ``tokenized.json`` (llm-foundry's) cannot be checked: a warning says so, and the
@@ -248,9 +248,9 @@ def check_tokenized_sources(cfg: Config, table: SourceTable) -> None:
         if made is None:
             if set(columns) & set(TOKEN_COLUMNS):
                 log.warning("MDS dataset %s holds token ids but no %s: cannot check it was tokenized with %r",
-                            url, TOKENIZED_META, cfg.model.tokenizer_path)
+                            url, TOKENIZED_META, model.tokenizer_path)
             continue
-        mine = mine or tokenizer_fingerprint(cfg.model)
+        mine = mine or tokenizer_fingerprint(model)
         theirs = made.get("tokenizer") or {}
         if theirs.get("sha256") != mine["sha256"]:
             raise MDSError(

@@ -40,6 +40,7 @@ from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from pipelines.arrays import list_array
+from pipelines.errors import BadRecordError
 from pipelines.seeds import splitmix64
 from pipelines.sources.listing import SourceFile, SourceTable, make_sample_id
 from pipelines.sources.records import TokenRecord
@@ -60,10 +61,6 @@ MAX_UNIT_BYTES = 32 << 20
 SCHEMA = pa.schema([("sample_id", pa.list_(pa.int64())), ("record", pa.list_(pa.string())), *UNIT_FIELDS])
 TOKEN_SCHEMA = pa.schema([("sample_id", pa.list_(pa.int64())), ("input_ids", pa.list_(pa.list_(pa.int32()))),
                           ("labels", pa.list_(pa.list_(pa.int32()))), *UNIT_FIELDS])
-
-
-class BadRecordError(ValueError):
-    """A record that cannot be used; the message names the file and line/row."""
 
 
 @dataclass(frozen=True)
@@ -409,11 +406,8 @@ class ShardDatasource(Datasource):
         reads that unit again and drops it (``units=slice(1, None)``). The price is reading the first unit
         twice: ``FIRST_UNIT_BYTES`` from an epoch's start; a full-size unit from a resume point (which starts at
         a unit of the epoch's layout) or when the first file holds no record (then the first unit is the next
-        file's).
-
-        Example (B7's data, 20 JSONL files, a resume in the third file): without a task for the first unit,
-        the resumed unit's packed rows reached the consumer 0.44-0.54 s after the read task yielded them (they
-        waited in the task's output block for more rows); with it, 0.04-0.16 s after.
+        file's). Without it, a resumed unit's packed rows wait in the task's output block for more rows
+        (docs/design.md, "Placement and timing notes").
         """
         tasks = []
         for group in group_files(self._files, max(parallelism, 1)):

@@ -2,9 +2,9 @@
 
 Ray Data's ``streaming_split`` hands blocks to whichever rank asks first, so which rank trains on
 which row changes run to run, and "rows seen per rank" cannot be turned back into a position. Here
-one small ``DataFeeder`` actor (created by rank 0 of each worker group on its node, dying with it) iterates
-the per-source datasets of :func:`pipelines.stream.dataset.build_dataset` in order, mixes them
-(:mod:`pipelines.stream.mixing`) and cuts the result into *items*:
+one small ``DataFeeder`` actor (created by rank 0 of each worker group on its node, dying with it) opens
+the per-source datasets of a :class:`~pipelines.stream.spec.StreamSpec` (:func:`pipelines.stream.dataset.source_dataset`)
+in order, mixes them (:mod:`pipelines.stream.mixing`) and cuts the result into *items*:
 
 * a step item: the rows of one global optimizer step, ``world_size x rows_per_rank`` of them,
   rank ``r`` taking the ``r``-th slice (fewer, or none, at the end of an epoch), plus the
@@ -12,129 +12,47 @@ the per-source datasets of :func:`pipelines.stream.dataset.build_dataset` in ord
 * an epoch-end item, after the last step of an epoch.
 
 The feeder is a control plane: the packed rows stay in Ray's object store as the Arrow blocks the
-packing stage wrote. The feeder reads only their small columns (row lengths, ``sample_ids``, the
-``unit_*`` position columns), on the node that holds each block, and hands each rank a
-:class:`RankItem`: block references and row ranges, never the tokens. Ranks fetch their slices
-themselves (:mod:`pipelines.train.feed`). Worked example, 2 ranks x 2 rows, a step mixing 3 rows of
-block A (source 0) and 1 row of block B::
+packing stage wrote, and ranks fetch their slices themselves (:mod:`pipelines.stream.blocks`,
+:mod:`pipelines.stream.client`). The global row order does not depend on the world size, so a run
+checkpointed with 2 workers resumes with 1 (or 1 with 2) at the same row. The feeder prefetches in a
+thread, up to 16 items ahead of the slowest rank.
 
-    picks   A[5:7]  B[0:1]  A[7:8]
-    rank 0  RowSlice(A, 5, 7)
-    rank 1  RowSlice(B, 0, 1), RowSlice(A, 7, 8)
+The feeder owns the data position, as a stateful loader does: ``load_state_dict`` (before the first
+item) starts it from a saved position, ``resume`` does so under ``run.on_data_change``
+(:mod:`pipelines.stream.resume`), ``commit(item)`` writes the ledger of the steps up to that item and
+returns ``state_dict()``, the position after it, which the checkpoint stores as it is. The state after
+an epoch's last step already says the epoch is done (the feeder looks one row ahead), so a checkpoint
+taken there resumes in the next epoch, not in an empty rest of this one.
 
-The global row order does not depend on the world size, so a run checkpointed with 2 workers
-resumes with 1 (or 1 with 2) at the same row. Ranks fetch items by index through
-:class:`FeederClient`, which prefetches, taking every ready item (up to 8) per call and fetching
-the blocks of those items with one ``ray.get``, each block once; after its first calls a request waits
-until a whole batch is ready, so the feeder answers one call per rank per 8 steps, not one per step.
-The feeder prefetches too, in a thread, up to 16 items ahead of the slowest rank.
-``commit(item)`` returns the state to checkpoint and writes the ledger of the steps up to it.
-The state after an epoch's last step already says the epoch is done (the feeder looks one row
-ahead), so a checkpoint taken there resumes in the next epoch, not in an empty rest of this one.
-
-The data path itself (reads, tokenizer actors, packing) is Ray Data, launched from the feeder.
+A dataset given to the trainer (``build_trainer(cfg, train_dataset=ds)``) is served the same way, as the one
+source of the mix: its rows in its order, its position the rows taken (:meth:`Chunk.from_table`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pipelines.arrays import list_flat
-from pipelines.config import Config, config_from_dict, dump_config
-from pipelines.sources.listing import resolve_sources
+from pipelines.config import Config
 from pipelines.storage import StorageOptions, filesystem_for
-from pipelines.stream.dataset import all_pretokenized, build_dataset, data_report, tokenizer_pools_short
-from pipelines.stream.mixing import Chunk, Mixer, Picked, fresh_states
-from pipelines.stream.state import DataState, Ledger, LedgerEntry, SourceState
-from pipelines.stream.units import dataset_files, file_positions
+from pipelines.stream.blocks import RankItem, RowSlice, as_list_columns, chunks_of
+from pipelines.stream.dataset import all_pretokenized, data_report, source_dataset
+from pipelines.stream.ledger import Ledger, LedgerEntry
+from pipelines.stream.mixing import Chunk, Mixer, Picked
+from pipelines.stream.placement import tokenizer_pools_short
+from pipelines.stream.resume import OnChange, Resumed, fresh_state, resume_state
+from pipelines.stream.spec import StreamSpec, build_spec
+from pipelines.stream.state import DataState, SourceState
 
-__all__ = ["BlockColumns", "DataFeeder", "Feeder", "FeederClient", "RankItem", "RowSlice", "as_arrow", "block_nodes",
-           "feeder_concurrency", "fetch_blocks", "start_feeder"]
+__all__ = ["DataFeeder", "Feeder", "feeder_concurrency", "start_feeder"]
 
 logger = logging.getLogger(__name__)
-
-ROW_COLUMNS = ("input_ids", "labels", "position_ids", "sample_ids")
-
-
-@dataclass(frozen=True)
-class RowSlice:
-    """Rows ``start .. stop`` of one packed-row block: an ``ObjectRef`` of an Arrow table, or on a
-    rank, once :class:`FeederClient` has fetched it, that block's :class:`BlockColumns`."""
-
-    block: Any
-    start: int
-    stop: int
-
-
-class BlockColumns:
-    """A fetched block's list columns as numpy views (offsets, values), made once per block per rank.
-
-    ``input_ids`` ``[[5, 9, 2], [7, 7]]`` -> offsets ``[0 3 5]``, values ``[5 9 2 7 7]``; rows 0..2 ->
-    ``[array([5, 9, 2]), array([7, 7])]``, views of the object store's buffer (no copy of the tokens).
-    """
-
-    def __init__(self, table: Any) -> None:
-        self.table = as_arrow(table)
-        self._parts: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-
-    def rows(self, column: str, start: int, stop: int) -> list[np.ndarray]:
-        if column not in self._parts:
-            col = self.table.column(column)  # one chunk: zero-copy views (list_flat)
-            self._parts[column] = list_flat(col)
-        offsets, values = self._parts[column]
-        o = offsets[start:stop + 1].tolist()
-        return [values[x:y] for x, y in zip(o[:-1], o[1:], strict=True)]
-
-
-@dataclass(frozen=True)
-class RankItem:
-    """What one rank gets for one item: where its rows are (``slices``, in order), not the rows."""
-
-    index: int
-    kind: str  # "step" | "epoch_end"
-    epoch: int
-    step: int  # global optimizer step this item is (step items) or follows (epoch_end)
-    slices: tuple[RowSlice, ...] = ()
-
-    @property
-    def num_rows(self) -> int:
-        return sum(s.stop - s.start for s in self.slices)
-
-    def columns(self, names: tuple[str, ...] = ROW_COLUMNS) -> dict[str, list[np.ndarray]]:
-        """This rank's rows: column -> one numpy view per row (zero-copy out of the object store)."""
-        (item,), _ = fetch_blocks([self])
-        slices = item.slices
-        return {c: [row for s in slices for row in s.block.rows(c, s.start, s.stop)] for c in names}
-
-    def sample_ids(self) -> list[list[int]]:
-        """The sample ids of each row (tests and tools; training reads only the token columns)."""
-        return [r.tolist() for r in self.columns(("sample_ids",))["sample_ids"]]
-
-
-def fetch_blocks(items: list[RankItem], have: dict[Any, BlockColumns] | None = None
-                 ) -> tuple[list[RankItem], dict[Any, BlockColumns]]:
-    """``items`` with every block fetched: one ``ray.get`` for the distinct blocks not in ``have``
-    (a block serves consecutive items, often several per response). Returns the items and the
-    blocks they use, by reference."""
-    have = have or {}
-    refs = list(dict.fromkeys(s.block for it in items for s in it.slices if not isinstance(s.block, BlockColumns)))
-    missing = [r for r in refs if r not in have]
-    got = {r: have[r] for r in refs if r in have}
-    if missing:
-        got.update(zip(missing, map(BlockColumns, ray.get(missing)), strict=True))
-    out = [replace(it, slices=tuple(s if isinstance(s.block, BlockColumns) else replace(s, block=got[s.block])
-                                    for s in it.slices)) for it in items]
-    return out, got
 
 
 @dataclass
@@ -146,7 +64,7 @@ class Item:
     epoch: int
     step: int
     ranks: list[list[Picked]]
-    state: dict[str, Any]  # DataState after this item
+    state: DataState  # the position after this item
     fetched: set[int] = field(default_factory=set)
 
     def for_rank(self, rank: int) -> RankItem:
@@ -178,141 +96,122 @@ def split_ranks(picked: list[Picked], world: int, k: int) -> list[list[Picked]]:
     return ranks
 
 
-def as_arrow(block: Any) -> pa.Table:
-    """A Ray Data block as an Arrow table (our packing stage writes Arrow: then as it is)."""
-    if isinstance(block, pa.Table):
-        return block
-    from ray.data.block import BlockAccessor
-
-    return BlockAccessor.for_block(block).to_arrow()
-
-
-@ray.remote(num_cpus=0)
-def _chunk_where_it_lies(block: Any, start: int, stop: int) -> Chunk:
-    """:meth:`Chunk.from_table`, run on the node that holds the block: only the small arrays travel."""
-    return Chunk.from_table(as_arrow(block), None, start, stop)
-
-
-def block_nodes(refs: list[Any]) -> dict[Any, list[str]]:
-    """The ids of the nodes holding each block: the owner's own table first (no RPC), else the owner is
-    asked. An empty list: the block is inlined (under 100 KB, it travels with its reference)."""
-    from ray.experimental import get_local_object_locations, get_object_locations
-
-    locs = get_local_object_locations(refs)
-    if missing := [r for r in refs if not (locs.get(r) or {}).get("node_ids")]:
-        locs.update(get_object_locations(missing))
-    return {r: list((locs.get(r) or {}).get("node_ids") or []) for r in refs}
-
-
-def _chunks_of(ds: ray.data.Dataset) -> Iterator[Chunk]:
-    """The dataset's blocks in stream order, as chunks: references plus their small columns.
-
-    A block in this node's object store (or inlined) is read in place, zero-copy. A block on another
-    node is not pulled here: a 0-CPU task on that node reads its small columns and returns only those
-    (a few KB per block), so the feeder's node (rank 0's) never receives the whole run's tokens. The
-    tasks of a bundle's remote blocks are all submitted before the first is awaited.
-    """
-    here = ray.get_runtime_context().get_node_id()
-    for bundle in ds.iter_internal_ref_bundles():
-        nodes = block_nodes([entry.ref for entry in bundle.blocks])
-        parts: list[tuple[Any, int, int | None, Any]] = []  # block, start, stop, pending task
-        for entry, cut in zip(bundle.blocks, bundle.slices, strict=True):
-            start, stop = (0, entry.metadata.num_rows) if cut is None else (cut.start_offset, cut.end_offset)
-            if stop is not None and stop <= start:
-                continue  # no rows: e.g. the block of a read task that yielded no unit, which has no columns
-            where, task = nodes[entry.ref], None
-            if where and here not in where and stop is not None and stop > start:
-                far = NodeAffinitySchedulingStrategy(where[0], soft=True)
-                task = _chunk_where_it_lies.options(scheduling_strategy=far).remote(entry.ref, start, stop)
-            parts.append((entry.ref, start, stop, task))
-        for ref, start, stop, task in parts:
-            if task is not None:
-                chunk = replace(ray.get(task), block=ref)
-            else:
-                table = as_arrow(ray.get(ref))
-                if not table.num_rows:
-                    continue
-                chunk = Chunk.from_table(table, ref, start, table.num_rows if stop is None else stop)
-            if len(chunk):
-                yield chunk
-
-
-class StreamPlan:
-    """How to open each mixed source: which ``data.datasets`` entries it reads and its weight."""
-
-    def __init__(self, cfg: Config, split: str) -> None:
-        self.cfg, self.split = cfg, split
-        n = len(cfg.data.datasets) if split == "train" else 1
-        if cfg.data.mix_by == "none" or n == 1 or split != "train":
-            self.groups: list[list[int] | None] = [None]
-            self.weights = [1.0]
-        else:
-            self.groups = [[i] for i in range(n)]
-            self.weights = [d.weight for d in cfg.data.datasets]
-        self.table = resolve_sources(cfg, split)  # listed once; files are fixed for the run
-        self.datasets: list[ray.data.Dataset] = []  # every stream opened (for data_report)
-        self._check_pools()
-
-    def _check_pools(self) -> None:
-        """Warn when the cluster cannot start one tokenizer pool per mixed source at once."""
-        tokenized = [g for g in self.groups if not all_pretokenized(self.table, dataset_files(self.table, g))]
-        if len(tokenized) < 2 or not ray.is_initialized():
-            return
-        short = tokenizer_pools_short(self.cfg.data.tokenize, len(tokenized), ray.cluster_resources())
-        if short:
-            logger.warning(
-                "%d mixed sources stream side by side, one tokenizer pool each, but the cluster cannot start them "
-                "all (%s): a pool that cannot start waits for another stream to end, and training can stall. Give "
-                "the nodes more of what is short (an autoscaler may still add nodes), or lower "
-                "data.tokenize.num_cpus or data.tokenize.resources.", len(tokenized), "; ".join(short))
-
-    def open(self, i: int, state: SourceState) -> tuple[Iterator[Chunk], dict[int, int]]:
-        """Chunks of source ``i`` from ``state.point``, and its files' read positions."""
-        point = state.point
-        ds = build_dataset(self.cfg, self.split, epoch=point.epoch, start=point, datasets=self.groups[i])
-        self.datasets.append(ds)
-        return _chunks_of(ds), file_positions(self.table, self.cfg.data.shuffle_seed, point.epoch, self.groups[i])
+def warn_if_pools_short(spec: StreamSpec, cluster: dict[str, float]) -> None:
+    """Warn when ``cluster`` cannot start one tokenizer pool per mixed source at once."""
+    tokenized = [i for i in range(len(spec.sources)) if not all_pretokenized(spec.table, spec.source_files(i))]
+    if len(tokenized) < 2:
+        return
+    short = tokenizer_pools_short(spec.placement.tokenize, len(tokenized), cluster)
+    if short:
+        logger.warning(
+            "%d mixed sources stream side by side, one tokenizer pool each, but the cluster cannot start them "
+            "all (%s): a pool that cannot start waits for another stream to end, and training can stall. Give "
+            "the nodes more of what is short (an autoscaler may still add nodes), or lower "
+            "data.tokenize.num_cpus or data.tokenize.resources.", len(tokenized), "; ".join(short))
 
 
 class Feeder:
     """Serves items to ranks; see the module docstring. Cheap: it moves references, not rows.
 
-    Runs as the :data:`DataFeeder` actor. ``plan`` replaces the streams of ``data.datasets`` (the
-    feeder benchmark serves rows it materialized before its clock).
+    Runs as the :data:`DataFeeder` actor. ``given``: a dataset handed to the trainer, served as the one
+    source of ``spec`` (whose files it then does not read).
     """
 
-    def __init__(self, cfg_dict: dict, base_dir: str, world_size: int, rows_per_rank: int, epochs: int,
-                 state: dict | None = None, ledger_root: str | None = None, prefetch_items: int = 16,
-                 plan: StreamPlan | None = None) -> None:
-        self.cfg = config_from_dict(cfg_dict, base_dir=base_dir)
+    def __init__(self, spec: StreamSpec, world_size: int, rows_per_rank: int, epochs: int,
+                 ledger_root: str | None = None, storage: StorageOptions | None = None,
+                 progress_bars: bool = False, prefetch_items: int = 16, given: ray.data.Dataset | None = None) -> None:
         data_context = ray.data.DataContext.get_current()  # this process's streams
-        data_context.enable_progress_bars = self.cfg.run.progress_bars
-        data_context.print_on_execution_start = self.cfg.run.progress_bars  # Ray Data's two lines per epoch
+        data_context.enable_progress_bars = progress_bars
+        data_context.print_on_execution_start = progress_bars  # Ray Data's two lines per epoch
+        self.spec, self.given = spec, given
         self.world, self.k, self.epochs = world_size, rows_per_rank, epochs
-        self.plan = plan or StreamPlan(self.cfg, "train")
-        restored = DataState.from_dict(state)
-        self.state = restored or DataState(0, 0, fresh_states(len(self.plan.groups), 0))
-        self.ledger = None
-        if ledger_root:
-            fs, path = filesystem_for(ledger_root, StorageOptions.from_config(self.cfg.storage))
-            self.ledger = Ledger(fs, path)
-            self.ledger.truncate_after(self.state.step)  # steps undone by this restore
+        self.state = fresh_state(spec)
+        self.ledger = Ledger(*filesystem_for(ledger_root, storage or StorageOptions())) if ledger_root else None
+        self.datasets: list[ray.data.Dataset] = []  # every stream opened (for report)
         self.max_items = prefetch_items
         self._items: dict[int, Item] = {}  # items some rank has not fetched yet
         self._served: set[int] = set()  # items every rank has fetched
-        self._states: dict[int, dict] = {}  # state after each item, until committed
+        self._states: dict[int, DataState] = {}  # state after each item, until committed
+        self._committed = self.state  # the state after the last committed item
         self._pending: list[LedgerEntry] = []  # steps fetched but not yet in the ledger
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._finished = False
-        self._thread = threading.Thread(target=self._produce, daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if given is None and ray.is_initialized():
+            warn_if_pools_short(spec, ray.cluster_resources())
+
+    # ---- the position
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Start from ``state`` (a ``state_dict()``; ``None``: the beginning), which must be of this stream
+        (else :class:`~pipelines.stream.resume.DataChangeError`). Steps after it leave the ledger."""
+        resumed = resume_state(state, DataState.from_dict(state).step if state else 0, 0, self.spec, "fail",
+                               "the given data state")
+        self._load(resumed.state)
+
+    def resume(self, saved: dict[str, Any] | None, step: int, epoch: int, on_change: OnChange,
+               where: str) -> Resumed:
+        """Start from a checkpoint's data state ``saved`` (taken at ``step`` in ``epoch``), as
+        ``run.on_data_change`` (``on_change``) allows; a restart or change is recorded in the ledger."""
+        resumed = resume_state(saved, step, epoch, self.spec, on_change, where)
+        if self.ledger is not None and resumed.kind == "restart":
+            self.ledger.mark_restart(step, resumed.changes[0])
+        elif self.ledger is not None and resumed.kind == "continue":
+            self.ledger.mark_change(step, list(resumed.changes), [f.url for f in self.spec.table.files])
+        self._load(resumed.state)
+        return resumed
+
+    def _load(self, state: DataState | None) -> None:
+        with self._cond:
+            if self._thread is not None:
+                raise RuntimeError("the feeder's position is set before its first item, not after")
+            self.state = self._committed = state or fresh_state(self.spec)
+            if not self.state.fingerprint:
+                self.state.fingerprint = dict(self.spec.fingerprint)
+            if len(self.state.sources) == len(self.spec.sources):  # a version 2 state: name its sources
+                for s, src in zip(self.state.sources, self.spec.sources, strict=True):
+                    s.key, s.identity = s.key or src.key, s.identity or src.identity
+        if self.ledger is not None:
+            self.ledger.truncate_after(self.state.step)  # steps undone by this restore
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last committed item (``load_state_dict``'s before any commit)."""
+        with self._cond:
+            return self._committed.to_dict()
+
+    def commit(self, index: int) -> dict[str, Any]:
+        """Commit item ``index``: the ledger gets the steps up to it; returns the position after it (to checkpoint)."""
+        with self._cond:
+            state = self._states.get(index)
+            if state is None:
+                raise KeyError(f"item {index} was already committed or never produced")
+            for k in [k for k in self._states if k < index]:
+                del self._states[k]
+            self._committed = state
+            done = [e for e in self._pending if e.step <= state.step]
+            self._pending = [e for e in self._pending if e.step > state.step]
+        if self.ledger and done:
+            self.ledger.write(done)
+        return state.to_dict()
 
     # ---- producer
+    def _open(self, i: int, state: SourceState) -> tuple[Iterator[Chunk], dict[int, int]]:
+        """Chunks of source ``i`` from ``state.point``, and its files' read positions."""
+        point = state.point
+        if self.given is not None:
+            self.datasets.append(self.given)
+            rows = self.given.map_batches(as_list_columns, batch_size=None, batch_format="pyarrow")
+            return _rows_from(chunks_of(rows), point.row), {0: 0}
+        ds = source_dataset(self.spec, i, epoch=point.epoch, start=point)
+        self.datasets.append(ds)
+        return chunks_of(ds), self.spec.file_positions(point.epoch, i)
+
     def _mixer(self, epoch: int, states: list[SourceState]) -> Mixer:
-        d = self.cfg.data
-        return Mixer(self.plan.weights, d.mix_by if d.mix_by != "none" else "tokens", d.mix_exhausted,
-                     epoch, states, self.plan.open)
+        return Mixer([s.weight for s in self.spec.sources], self.spec.mix_by, self.spec.data.mix_exhausted,
+                     epoch, states, self._open)
+
+    def _at(self, epoch: int, step: int, states: list[SourceState], done: bool = False) -> DataState:
+        return DataState(epoch, step, [SourceState(**vars(s)) for s in states], done, self.state.fingerprint)
 
     def _epoch_items(self, index: int, epoch: int, step: int, states: list[SourceState]) -> tuple[int, int]:
         """Produce one epoch's step items and its epoch-end item; returns the next index and step.
@@ -324,24 +223,25 @@ class Feeder:
         mixer = self._mixer(epoch, states)
         while picked := mixer.take(self.world * self.k):
             step += 1
-            state = DataState(epoch, step, states).to_dict()
+            state = self._at(epoch, step, states)
             if not mixer.ready():  # that was the epoch's last step
-                state = DataState(epoch, step, states, epoch_done=True).to_dict()
+                state = self._at(epoch, step, states, done=True)
             self._put(Item(index, "step", epoch, step, split_ranks(picked, self.world, self.k), state))
             index += 1
-        end = DataState(epoch, step, states, epoch_done=True).to_dict()
+        end = self._at(epoch, step, states, done=True)
         self._put(Item(index, "epoch_end", epoch, step, [[] for _ in range(self.world)], end))
         return index + 1, step
 
     def _produce(self) -> None:
         try:
             st = self.state
-            epoch, step, index = st.epoch + int(st.epoch_done), st.step, 0
-            states = st.sources if not st.epoch_done else fresh_states(len(self.plan.groups), epoch)
+            epoch, step, index = st.next_epoch, st.step, 0
+            # copies: the mixer advances them in place, and the loaded state is what state_dict() holds until a commit
+            states = [SourceState(**vars(s)) for s in st.sources] if not st.epoch_done else fresh_state(self.spec, epoch).sources
             while epoch < self.epochs:
                 index, step = self._epoch_items(index, epoch, step, states)
                 epoch += 1
-                states = fresh_states(len(self.plan.groups), epoch)
+                states = fresh_state(self.spec, epoch).sources
         except BaseException as err:  # surfaced to every rank by get()
             logger.exception("data feeder failed")
             with self._cond:
@@ -363,13 +263,17 @@ class Feeder:
         """Items ``index, index + 1, ...`` for ``rank``: blocks until items ``index`` to
         ``index + least - 1`` are produced (fewer when the stream ends after ``index``), then also
         takes the items after them that are already produced, ``most`` in all: one call, not ``most``
-        (the feeder's cost is per call). ``[]`` when the training data is over.
+        (the feeder's cost is per call). ``[]`` when the training data is over. The first call starts
+        the stream.
 
         ``least`` is capped at the feeder's prefetch window, which the items of the slowest rank
         always fit, so a rank waiting for a full batch never waits on itself.
         """
         least = max(1, min(least, most, self.max_items))
         with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._produce, daemon=True)
+                self._thread.start()
             while not all(i in self._items for i in range(index, index + least)):
                 if index in self._items and (self._finished or self._error is not None):
                     break  # the stream ended after some of them: serve those
@@ -397,24 +301,12 @@ class Feeder:
             self._cond.notify_all()
         return item.for_rank(rank)
 
-    def commit(self, index: int) -> dict:
-        """The data state after item ``index`` (to checkpoint); the ledger gets the steps up to it."""
-        with self._cond:
-            state = self._states.get(index)
-            if state is None:
-                raise KeyError(f"item {index} was already committed or never produced")
-            for k in [k for k in self._states if k < index]:
-                del self._states[k]
-            done = [e for e in self._pending if e.step <= state["step"]]
-            self._pending = [e for e in self._pending if e.step > state["step"]]
-        if self.ledger and done:
-            self.ledger.write(done)
-        return state
-
     def report(self) -> dict:
-        """Data-quality counters summed over every stream this feeder opened."""
+        """Data-quality counters summed over every stream this feeder opened (none for a given dataset)."""
         totals: dict[str, Any] = {"counters": {}, "examples": {}}
-        for ds in self.plan.datasets:
+        for ds in self.datasets:
+            if ds is self.given:
+                continue
             snap = data_report(ds)
             for k, v in snap["counters"].items():
                 totals["counters"][k] = totals["counters"].get(k, 0) + v
@@ -422,6 +314,15 @@ class Feeder:
                 have = totals["examples"].setdefault(k, [])
                 have.extend(v[: max(0, 5 - len(have))])
         return totals
+
+
+def _rows_from(chunks: Iterator[Chunk], first: int) -> Iterator[Chunk]:
+    """``chunks`` without the stream's first ``first`` rows (a given dataset resumed ``first`` rows in)."""
+    seen = 0
+    for chunk in chunks:
+        if seen + len(chunk) > first:
+            yield chunk.tail(max(0, first - seen))
+        seen += len(chunk)
 
 
 def feeder_concurrency(world_size: int) -> int:
@@ -435,66 +336,29 @@ def feeder_concurrency(world_size: int) -> int:
 DataFeeder = ray.remote(num_cpus=0, max_concurrency=feeder_concurrency(28))(Feeder)
 
 
-class FeederClient:
-    """A rank's view of the feeder: ``next()`` returns the next :class:`RankItem` for this rank.
-
-    It keeps one request in flight, for the items after those it holds; each request takes up to
-    ``batch`` items, and waits until :meth:`_least` of them are ready: one actor call per ``batch``
-    steps. The blocks of a response are fetched with one ``ray.get`` (a block the previous response
-    used is kept, not fetched again), so a rank fetches each block once, not once per step.
-    """
-
-    def __init__(self, feeder: Any, rank: int, start_index: int = 0, batch: int = 8) -> None:
-        self.feeder, self.rank, self.index, self.batch = feeder, rank, start_index, batch
-        self._ready: deque[RankItem] = deque()  # items index, index + 1, ... already here
-        self._pending: Any = None  # the request for the items after them
-        self._blocks: dict[Any, BlockColumns] = {}  # the blocks of the last response
-        self._over = False
-        self._start = start_index
-
-    def _least(self, first: int) -> int:
-        """How many items a request waits for: as many as the rank has received, up to ``batch``.
-
-        Worked example, ``batch`` 8, the feeder never ahead: requests wait for 1, 1, 2, 4, 8, 8, ...
-        items. Waiting for one (the old rule) let a rank that keeps pace with the feeder get one item
-        per call, as each was produced: at 64 ranks, 64 calls per step, the main cost of the feeder
-        and of each rank (benchmarks/feeder_scale.py). Doubling from one keeps the first steps as
-        quick as before while the stream is still starting. The wait cannot deadlock: the feeder caps
-        it at its window, which always holds the slowest rank's next items.
-        """
-        return max(1, min(self.batch, first - self._start))
-
-    def _request(self) -> None:
-        if self._pending is None and not self._over:
-            first = self.index + len(self._ready)
-            self._pending = self.feeder.get.remote(first, self.rank, self.batch, self._least(first))
-
-    def next(self) -> RankItem | None:
-        self._request()
-        if not self._ready and self._pending is not None:
-            items, self._pending = ray.get(self._pending), None
-            self._over = not items
-            items, self._blocks = fetch_blocks(items, self._blocks)
-            self._ready.extend(items)
-        if not self._ready:
-            return None
-        item = self._ready.popleft()
-        assert item.index == self.index, (item.index, self.index)
-        self.index += 1
-        self._request()  # the next items load while this one trains
-        return item
-
-
-def start_feeder(cfg: Config, world_size: int, rows_per_rank: int, state: dict | None,
-                 ledger_root: str | None, epochs: int | None = None) -> Any:
-    """Create the feeder actor on this node (rank 0 does this; it dies with rank 0's worker group).
+def start_feeder(spec: StreamSpec | Config, world_size: int, rows_per_rank: int, state: dict | None = None,
+                 ledger_root: str | None = None, epochs: int | None = None, *, storage: StorageOptions | None = None,
+                 progress_bars: bool = False, given: ray.data.Dataset | None = None) -> Any:
+    """Create the feeder actor on this node (rank 0 does this; it dies with rank 0's worker group), from
+    ``state`` (a ``state_dict()``; see :meth:`Feeder.load_state_dict`) when given. ``spec`` may be a config:
+    its training spec is built here (and ``epochs``, ``storage``, ``progress_bars`` default to its own).
 
     It is pinned to the caller's node: left to Ray's default scheduling (or a soft affinity, which
     falls back under load), the 0-CPU actor lands on any node, e.g. the head or a CPU-only tokenizer
     node, and losing that node would then also end the training stream. On rank 0's node it adds no
     failure domain of its own (tests/test_node_loss.py).
     """
+    if isinstance(spec, Config):
+        cfg = spec
+        spec = build_spec(cfg, "train")
+        epochs = cfg.train.epochs if epochs is None else epochs
+        storage = storage or StorageOptions.from_config(cfg.storage)
+        progress_bars = progress_bars or cfg.run.progress_bars
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return DataFeeder.options(scheduling_strategy=here, max_concurrency=feeder_concurrency(world_size)).remote(
-        dump_config(cfg), cfg.base_dir, world_size, rows_per_rank,
-        cfg.train.epochs if epochs is None else epochs, state, ledger_root)
+    feeder = DataFeeder.options(scheduling_strategy=here, max_concurrency=feeder_concurrency(world_size)).remote(
+        spec, world_size, rows_per_rank, 1 if epochs is None else epochs, ledger_root, storage, progress_bars,
+        given=given)
+    if state is not None:
+        ray.get(feeder.load_state_dict.remote(state))
+    return feeder
+

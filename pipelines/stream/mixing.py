@@ -49,16 +49,15 @@ __all__ = ["Chunk", "Mixer", "Picked", "fresh_states", "stream_epoch"]
 
 Row = dict[str, Any]
 UNIT_COLUMNS = tuple(name for name, _ in ROW_UNIT_FIELDS)  # where a row sits in its unit (pipelines.stream.units)
-# open(source index, state) -> (chunks, or single row dicts, of that source from state.point,
-#                               source index -> file position)
-Opener = Callable[[int, SourceState], tuple[Iterator[Any], dict[int, int]]]
+# open(source index, state) -> (chunks of that source from state.point, file index -> position in the read order)
+Opener = Callable[[int, SourceState], tuple[Iterator["Chunk"], dict[int, int]]]
 
 @dataclass(frozen=True)
 class Chunk:
     """Consecutive packed rows of one source, described by small per-row arrays.
 
     The tokens stay where they are: ``block`` is an ``ObjectRef`` of a Ray Data block (an Arrow
-    table; rows ``offset .. offset + len(self)`` of it) or, in tests, a list of row dicts.
+    table; rows ``offset .. offset + len(self)`` of it), which the ranks fetch themselves.
     """
 
     block: Any
@@ -86,37 +85,39 @@ class Chunk:
         """The ``unit_*`` fields of row ``j``, as :func:`pipelines.stream.state.point_after` reads them."""
         return {k: int(v[j]) for k, v in self.units.items()}
 
-    def row(self, j: int) -> Row:
-        """Row ``j`` as a dict (tests and debugging; the feeder never materialises rows)."""
-        if isinstance(self.block, list):
-            return self.block[self.offset + j]
-        import ray
-
-        return ray.get(self.block).slice(self.offset + j, 1).to_pylist()[0]
+    def tail(self, k: int) -> Chunk:
+        """The chunk without its first ``k`` rows."""
+        o = self.sample_offsets
+        return Chunk(self.block, self.offset + k, self.tokens[k:], o[k:] - o[k], self.sample_values[o[k]:],
+                     {name: v[k:] for name, v in self.units.items()})
 
     @classmethod
-    def from_rows(cls, rows: list[Row]) -> Chunk:
-        """A chunk over row dicts (``input_ids``, ``sample_ids``, ``unit_*`` keys)."""
-        lengths = np.array([len(r["sample_ids"]) for r in rows], dtype=np.int64)
-        return cls(rows, 0, np.array([len(r["input_ids"]) for r in rows], dtype=np.int64),
-                   np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-                   np.array([s for r in rows for s in r["sample_ids"]], dtype=np.int64),
-                   {k: np.array([r[k] for r in rows], dtype=np.int64) for k in UNIT_COLUMNS})
-
-    @classmethod
-    def from_table(cls, table: Any, block: Any, start: int = 0, stop: int | None = None) -> Chunk:
+    def from_table(cls, table: Any, block: Any, start: int = 0, stop: int | None = None, first_row: int = 0) -> Chunk:
         """A chunk over rows ``start .. stop`` of an Arrow table of packed rows (the block ``block``).
 
         Reads only list offsets, ``sample_ids`` and the ``unit_*`` columns; the token columns are not
-        touched (on the same node the table is a zero-copy view of the object store).
+        touched (on the same node the table is a zero-copy view of the object store). Rows without them
+        (a dataset given to the trainer: ``input_ids``, ``labels``, ``position_ids`` only) are numbered
+        from ``first_row``, the stream's index of row ``start``: each is its own unit of "file 0", so
+        :func:`~pipelines.stream.units.point_after` row ``r`` is row ``r + 1``, and its sample id is ``r``.
         """
         t = table.slice(start, (table.num_rows if stop is None else stop) - start)
         ids = np.asarray(t.column("input_ids").combine_chunks().offsets, dtype=np.int64)
-        sids = t.column("sample_ids").combine_chunks()
-        so = np.asarray(sids.offsets, dtype=np.int64)
-        values = np.asarray(sids.values.to_numpy(zero_copy_only=False), dtype=np.int64)[so[0]:so[-1]]
-        return cls(block, start, np.diff(ids), so - so[0], values.copy(),
-                   {k: t.column(k).to_numpy().astype(np.int64) for k in UNIT_COLUMNS})
+        numbered = np.arange(first_row, first_row + t.num_rows, dtype=np.int64)
+        if "sample_ids" in t.column_names:
+            sids = t.column("sample_ids").combine_chunks()
+            so = np.asarray(sids.offsets, dtype=np.int64)
+            values = np.asarray(sids.values.to_numpy(zero_copy_only=False), dtype=np.int64)[so[0]:so[-1]].copy()
+            so = so - so[0]
+        else:
+            so, values = np.arange(t.num_rows + 1, dtype=np.int64), numbered
+        if "unit_id" in t.column_names:
+            units = {k: t.column(k).to_numpy().astype(np.int64) for k in UNIT_COLUMNS}
+        else:
+            none, zero, one = np.full(t.num_rows, -1), np.zeros(t.num_rows, np.int64), np.ones(t.num_rows, np.int64)
+            units = {"unit_id": numbered, "unit_start_byte": none, "unit_end_row": numbered + 1,
+                     "unit_end_byte": none, "unit_row": zero, "unit_rows": one}
+        return cls(block, start, np.diff(ids), so, values, units)
 
 
 @dataclass(frozen=True)
@@ -169,8 +170,7 @@ class Mixer:
         """Buffer source ``i``'s next chunk; False when its stream (this pass) has run out."""
         if self._iters[i] is None:
             self._iters[i], self._file_pos[i] = self.opener(i, self.states[i])
-        for nxt in self._iters[i]:  # type: ignore[union-attr]
-            chunk = nxt if isinstance(nxt, Chunk) else Chunk.from_rows([nxt])
+        for chunk in self._iters[i]:  # type: ignore[union-attr]
             if len(chunk):
                 self._chunks[i], self._pos[i] = chunk, 0
                 return True
@@ -257,13 +257,6 @@ class Mixer:
                 out.append(self._consume(i, rows))
                 need -= rows
         return out
-
-    def next(self) -> tuple[int, Row] | None:
-        """One row ``(source, row dict)``, or ``None`` at the epoch end (tests and debugging)."""
-        picked = self.take(1)
-        if not picked:
-            return None
-        return picked[0].source, picked[0].chunk.row(picked[0].start)
 
 
 def fresh_states(n: int, epoch: int) -> list[SourceState]:

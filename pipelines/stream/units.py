@@ -60,7 +60,7 @@ __all__ = [
 # soon as it is read instead of when the task ends (the default is 128 MB). The same setting slices the
 # tokenizer stage's packed rows into blocks of about this size (Ray 2.60 has one per dataset), and a
 # running task may only be 2 blocks ahead of Ray Data's executor, so small blocks starve the tokenizer
-# actor. On the B2 data (BENCHMARKS.md): 256 kB gave 0.19 M tok/s steady, 1 MB 0.49 M, 4 MB 0.67-0.74 M.
+# actor (docs/design.md, "Placement and timing notes").
 READ_BLOCK_BYTES = 4 << 20
 # The stream's first unit ends once its records reach this many characters (about 300 Alpaca records,
 # 60 k GPT-2 tokens: tokenized in ~0.2 s). Its read task holds only this unit, so its block leaves at once.

@@ -7,8 +7,8 @@ Two ways, with the same result:
 * :class:`ByteSpans` needs no offsets. In a byte-level BPE tokenizer (GPT-2, Llama 3, Qwen, SmolLM2)
   every token stands for a fixed byte string, so a text's tokens tile its UTF-8 bytes in order and
   the cumulative byte lengths of the ids say where each token starts. The ids can then come from
-  ``encode_batch_fast``, which skips the offsets: 1.23x the tokens/s of ``encode_batch`` on this machine
-  (BENCHMARKS.md, "B1"). :meth:`ByteSpans.for_tokenizer` returns None for any tokenizer where that
+  ``encode_batch_fast``, which skips the offsets and is faster (docs/design.md, "Placement and timing
+  notes"). :meth:`ByteSpans.for_tokenizer` returns None for any tokenizer where that
   tiling does not hold (a normalizer, a prefix space, stripped added tokens, a pre-tokenizer that drops
   text, a vocabulary outside the byte alphabet), and the offsets path is used. A byte that has no
   token of its own is dropped by the model; that shows per sample (:meth:`ByteSpans.labels` is None)

@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 
 from pipelines.arrays import list_flat
 from pipelines.config import DataConfig, ModelConfig
-from pipelines.sources.datasource import BadRecordError
+from pipelines.errors import BadRecordError
 from pipelines.sources.listing import SourceTable
 from pipelines.stats import Counts, StatsSink
 from pipelines.stream.units import carry_unit_columns, explode_units

@@ -41,9 +41,8 @@ import pyarrow as pa
 
 from pipelines.arrays import list_array, parts_flat
 from pipelines.config import DataConfig, ModelConfig
-from pipelines.errors import RecordError
+from pipelines.errors import BadRecordError, RecordError
 from pipelines.sources.chat_template import SEGMENT, Pieces
-from pipelines.sources.datasource import BadRecordError
 from pipelines.sources.formats import Formatted, make_formatter
 from pipelines.sources.listing import SourceTable, split_sample_id
 from pipelines.sources.records import unpack_array

@@ -178,8 +178,8 @@ def shared_tokenizer(model: ModelConfig, with_hf: bool) -> tuple[PreTrainedToken
     tokenizer files (:func:`load_backend`; the transformers tokenizer too where ``with_hf``).
 
     A shared read worker builds a stage for every stream it serves, and the feeder opens a stream per source
-    and per epoch: each would load the same tokenizer again (0.12 s for GPT-2's tokenizer.json here, 0.1 s
-    more through transformers, more for larger vocabularies). The stages only encode and apply chat
+    and per epoch: each would load the same tokenizer again (longer for larger vocabularies, and again
+    through transformers). The stages only encode and apply chat
     templates, so they can share one; callers must not change what this returns (:func:`load_backend` has
     cleared truncation and padding, once). Anything else loads its own (:func:`load_tokenizer`).
     """

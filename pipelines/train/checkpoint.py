@@ -33,10 +33,10 @@ state only (``exclude_frozen_parameters``): the frozen base is rebuilt from ``mo
 ``model.init`` on resume, so a checkpoint is megabytes, not a copy of the base. The adapter settings
 are saved with it and a resume under different ones is refused.
 
-``data_state`` is the feeder's :class:`~pipelines.stream.state.DataState` stamped with the stream's
-fingerprint. :func:`resume_data_state` (rank 0, before the feeder starts) and :func:`check_resume`
-(the driver, before the workers start) refuse a state that cannot be read or was taken in another
-stream, naming what changed, unless ``run.on_data_change: restart``.
+``data_state`` is the feeder's ``state_dict()``, stored as it is: the stream layer owns its meaning
+(:mod:`pipelines.stream.state`). Rank 0's feeder resumes from it (:meth:`pipelines.stream.feeder.Feeder.resume`);
+:func:`check_resume` (the driver, before the workers start) refuses one that cannot resume the run's stream,
+naming what changed, as ``run.on_data_change`` says.
 
 A change of the data-parallel world size with ZeRO (stage >= 1: optimizer state is partitioned per
 rank) is refused before training, naming the ``scaling.num_workers`` to resume with
@@ -324,64 +324,14 @@ def restore(te: TrainEngine, resume: str, fit_id: str, storage: Any = None) -> T
 # --------------------------------------------------------------------------- the data position
 
 
-def data_state_problem(saved: dict[str, Any], step: int, fingerprint: dict[str, Any]) -> str | None:
-    """Why ``saved`` (a checkpoint's data_state at ``step``) cannot continue the current stream, or None."""
-    from pipelines.stream.state import DataState, DataStateError, fingerprint_changes
-
-    if not saved:
-        return None if step == 0 else f"the checkpoint at step {step} has no data position"
-    try:
-        state = DataState.from_dict(saved)
-    except DataStateError as err:
-        return str(err)
-    if not state.fingerprint:
-        return "the data position has no fingerprint of its stream"
-    changes = fingerprint_changes(state.fingerprint, fingerprint)
-    if changes:
-        return "the training stream changed since the checkpoint: " + "; ".join(changes)
-    return None
-
-
-def _refusal(problem: str, where: str) -> str:
-    return (f"cannot resume the data position of {where}: {problem}. Continuing would train on a different "
-            "stream than the ledger and the saved position describe. Undo the change, or set "
-            "run.on_data_change=restart to keep the weights and restart the data at the start of the current "
-            "epoch, or run.resume=never / a new run.name to start over.")
-
-
-def resume_data_state(cfg: Any, state: TrainerState, fingerprint: dict[str, Any], ledger: Any) -> dict | None:
-    """The data state to start the feeder from (rank 0, before training); refuses or restarts on a change.
-
-    ``None``: a fresh start (no checkpoint). With ``run.on_data_change: restart`` a mismatch gives
-    :meth:`DataState.restart` at the checkpoint's step and epoch, logged loudly and marked in the ledger.
-    """
-    from pipelines.stream.state import DataState
-
-    problem = data_state_problem(state.data_state, state.step, fingerprint)
-    if problem is None:
-        return state.data_state or None
-    if cfg.run.on_data_change != "restart":
-        raise CheckpointError(_refusal(problem, f"step {state.step}"))
-    banner = (f"DATA RESTART (run.on_data_change=restart): {problem}. Keeping the weights of step {state.step}; "
-              f"the data restarts at the start of epoch {state.epoch}; samples already trained on may repeat.")
-    logger.warning(banner)
-    print("!" * 80 + f"\nWARNING: {banner}\n" + "!" * 80, file=sys.__stdout__, flush=True)
-    if ledger is not None:
-        ledger.mark_restart(state.step, problem)
-    return DataState.restart(state.epoch, state.step).to_dict()
-
-
-def stamp(data_state: dict[str, Any], fingerprint: dict[str, Any]) -> dict[str, Any]:
-    """The feeder's data state with the stream's fingerprint added (what a checkpoint stores)."""
-    return {**data_state, "fingerprint": fingerprint}
-
-
-def check_resume(cfg: Any, fingerprint: dict[str, Any]) -> None:
+def check_resume(cfg: Any, spec: Any) -> None:
     """Driver side, before any worker starts: refuse the checkpoint this run would resume from when its
-    data position does not fit the configured stream (same rules as :func:`resume_data_state`)."""
+    data position cannot resume the stream of ``spec`` under ``run.on_data_change``
+    (:func:`pipelines.stream.resume.resume_state`, which rank 0's feeder applies again)."""
     import pyarrow.fs as pafs
 
     from pipelines.storage import StorageOptions, filesystem_for
+    from pipelines.stream.resume import DataChangeError, resume_state
     from pipelines.train.storage import run_dir
 
     if cfg.run.resume == "never" or cfg.run.on_data_change == "restart":
@@ -400,6 +350,7 @@ def check_resume(cfg: Any, fingerprint: dict[str, Any]) -> None:
     if fs.get_file_info(f"{path}/{STATE_FILE}").type != pafs.FileType.File:
         return
     saved = TrainerState.from_dict(read_json(fs, f"{path}/{STATE_FILE}"))
-    problem = data_state_problem(saved.data_state, saved.step, fingerprint)
-    if problem is not None:
-        raise CheckpointError(_refusal(problem, path))
+    try:
+        resume_state(saved.data_state, saved.step, saved.epoch, spec, cfg.run.on_data_change, path)
+    except DataChangeError as err:
+        raise CheckpointError(str(err)) from None

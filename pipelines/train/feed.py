@@ -13,6 +13,7 @@ splits the Arrow list columns into per-row numpy views by their offsets -- no Py
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,33 +22,36 @@ import numpy as np
 import torch.distributed as dist
 
 from pipelines.config import Config
-from pipelines.stream.feeder import FeederClient, RankItem, start_feeder
-from pipelines.stream.state import DataState, DataStateError
+from pipelines.storage import StorageOptions
+from pipelines.stream.blocks import RankItem
+from pipelines.stream.client import FeederClient
+from pipelines.stream.feeder import start_feeder
+from pipelines.stream.spec import StreamSpec
 
 # Feeder epochs when train.max_steps decides the end: the stream is re-read as often as needed.
 UNBOUNDED_EPOCHS = 1 << 30
 
 
-def share_feeder(cfg: Config, rank: int, world: int, rows_per_rank: int, data_state: dict | None,
-                 ledger_root: str | None) -> Any:
-    """Rank 0 starts the feeder; every rank gets its handle."""
-    box = [None]
+def share_feeder(cfg: Config, spec: StreamSpec, rank: int, world: int, rows_per_rank: int, saved: dict | None,
+                 step: int, epoch: int, ledger_root: str, given: Any = None) -> tuple[Any, int]:
+    """Rank 0 starts the feeder from a checkpoint's data state ``saved`` (taken at ``step`` in ``epoch``; see
+    :meth:`pipelines.stream.feeder.Feeder.resume`); every rank gets its handle and the epoch training
+    continues in (the next one when the checkpoint ended an epoch)."""
+    import ray
+
+    box: list[Any] = [None, epoch]
     if rank == 0:
         epochs = cfg.train.epochs if cfg.train.max_steps is None else UNBOUNDED_EPOCHS
-        box[0] = start_feeder(cfg, world, rows_per_rank, data_state, ledger_root, epochs=epochs)
+        feeder = start_feeder(spec, world, rows_per_rank, None, ledger_root, epochs,
+                              storage=StorageOptions.from_config(cfg.storage), progress_bars=cfg.run.progress_bars,
+                              given=given)
+        resumed = ray.get(feeder.resume.remote(saved, step, epoch, cfg.run.on_data_change, f"step {step}"))
+        if resumed.banner:
+            print("!" * 80 + f"\nWARNING: {resumed.banner}\n" + "!" * 80, file=sys.__stdout__, flush=True)
+        box = [feeder, epoch if resumed.state is None else resumed.state.next_epoch]
     if world > 1:
         dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def resume_epoch(data_state: dict | None) -> int | None:
-    """The epoch a restored run trains next: the saved one, or the one after it when it was done
-    (a checkpoint on an epoch's last step). ``None`` without a data state."""
-    try:
-        state = DataState.from_dict(data_state)
-    except DataStateError:  # refused (or restarted) on rank 0 by checkpoint.resume_data_state, before training
-        return None
-    return None if state is None else state.epoch + int(state.epoch_done)
+    return box[0], box[1]
 
 
 class StepFeed:
@@ -77,7 +81,8 @@ class StepFeed:
         return [self.collate({k: v[i:i + self.micro] for k, v in columns.items()}) for i in range(0, n, self.micro)]
 
     def commit(self) -> dict:
-        """The data state after the last consumed item (call on rank 0 when checkpointing)."""
+        """Commit the last consumed item (rank 0, when checkpointing): the feeder's ``state_dict()`` after it,
+        which the checkpoint stores as it is."""
         import ray
 
         return ray.get(self.feeder.commit.remote(self.last_index))

@@ -3,10 +3,10 @@
 Per worker::
 
     init process group + DeepSpeed engine          (step.py)
-    restore checkpoint per run.resume              (checkpoint.py; its data_state is the data position)
-    rows: from the exactly-once feeder (feed.py)   -- the default: one deterministic global stream, rank r
-          or a Ray Data shard                          takes the r-th slice of each step; or, when a dataset
-                                                       is passed to build_trainer, shard.iter_torch_batches
+    restore checkpoint per run.resume              (checkpoint.py; its data_state is the feeder's position)
+    rows: from the exactly-once feeder (feed.py)   -- one deterministic global stream, rank r takes the r-th
+                                                       slice of each step: the spec's sources, mixed, or a
+                                                       dataset given to build_trainer
     for each step: train_step -> log every log_every_steps, eval every eval_every_steps,
                    checkpoint (with the feeder's data state; the ledger gets the steps) every checkpoint_every_steps
     final checkpoint, final eval, HF export, summary
@@ -26,19 +26,12 @@ import time
 from typing import Any
 
 from pipelines.config import Config, config_from_dict
-from pipelines.seeds import local_shuffle_seed
 from pipelines.storage import StorageOptions
-from pipelines.train.checkpoint import (
-    TrainerState,
-    checkpoint_dir_name,
-    report_checkpoint,
-    restore,
-    resume_data_state,
-    stamp,
-)
+from pipelines.stream.spec import StreamSpec
+from pipelines.train.checkpoint import TrainerState, checkpoint_dir_name, report_checkpoint, restore
 from pipelines.train.export import export_run
 from pipelines.train.faults import maybe_fail
-from pipelines.train.feed import StepFeed, resume_epoch, share_feeder
+from pipelines.train.feed import StepFeed, share_feeder
 from pipelines.train.metrics import (
     Clock,
     MetricsWriter,
@@ -61,16 +54,15 @@ from pipelines.train.step import (
 from pipelines.train.storage import OutputDir, is_remote, run_dir
 
 
-def payload(cfg: Config, fit_id: str, has_eval: bool, feed: bool = False,
+def payload(cfg: Config, spec: StreamSpec, fit_id: str, has_eval: bool, given: Any = None,
             started_at: float | None = None) -> dict[str, Any]:
-    """What the driver sends each worker (plain data: the config is rebuilt and re-validated there).
-
-    ``feed``: the training rows come from the exactly-once feeder (:mod:`pipelines.train.feed`)
-    rather than a Ray Data shard passed to the trainer. ``started_at``: the job's start
-    (``time.time()``), the zero of rank 0's start-up lines and of the summary's time breakdown.
+    """What the driver sends each worker: the config (rebuilt and re-validated there), the training stream's
+    spec (built once in the driver, so a restarted worker group streams the same files), and ``given``, a
+    dataset handed to the trainer (served by the feeder as the spec's one source). ``started_at``: the job's
+    start (``time.time()``), the zero of rank 0's start-up lines and of the summary's time breakdown.
     """
-    return {"cfg": cfg.model_dump(mode="json"), "base_dir": cfg.base_dir, "source": cfg.source,
-            "fit_id": fit_id, "has_eval": has_eval, "feed": feed,
+    return {"cfg": cfg.model_dump(mode="json"), "base_dir": cfg.base_dir, "source": cfg.source, "spec": spec,
+            "given": given, "fit_id": fit_id, "has_eval": has_eval,
             "started_at": time.time() if started_at is None else started_at}
 
 
@@ -99,26 +91,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                                   took=clock.between("workers", "engine"))):
             print(line, file=sys.__stdout__, flush=True)
     eval_shard = ray.train.get_dataset_shard("eval") if config.get("has_eval") else None
-    fingerprint: dict[str, Any] = {}
-    if config.get("feed"):
-        rows_per_rank = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps
-        ledger_root = f"{run_dir(cfg)}/ledger"
-        data_state = None
-        if te.rank == 0:  # the feeder's position: checked against the stream before any training
-            from pipelines.storage import StorageOptions, filesystem_for
-            from pipelines.stream.state import Ledger, stream_fingerprint
-
-            fingerprint = stream_fingerprint(cfg)
-            ledger = Ledger(*filesystem_for(ledger_root, StorageOptions.from_config(cfg.storage)))
-            data_state = resume_data_state(cfg, state, fingerprint, ledger)
-        feeder = share_feeder(cfg, te.rank, te.world_size, rows_per_rank, data_state, ledger_root)
-        train = StepFeed(feeder, te.rank, cfg.train.micro_batch_size, te.collate_fn())
-        if (epoch := resume_epoch(state.data_state or None)) is not None:
-            state.epoch = epoch  # the feeder's: the next one when the checkpoint ended an epoch
-    else:
-        train = ray.train.get_dataset_shard("train")
+    rows_per_rank = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps
+    # Rank 0's feeder resumes from the checkpoint's data state (under run.on_data_change) before any training.
+    feeder, state.epoch = share_feeder(cfg, config["spec"], te.rank, te.world_size, rows_per_rank, state.data_state,
+                                       state.step, state.epoch, f"{run_dir(cfg)}/ledger", config.get("given"))
+    train = StepFeed(feeder, te.rank, cfg.train.micro_batch_size, te.collate_fn())
     clock.mark("feeder")
-    WorkerLoop(cfg, te, state, train, eval_shard, fingerprint, clock).run()
+    WorkerLoop(cfg, te, state, train, eval_shard, clock).run()
 
 
 class NoTrainingData(RuntimeError):
@@ -128,13 +107,12 @@ class NoTrainingData(RuntimeError):
 class WorkerLoop:
     """The epoch/step loop of one worker and its periodic side jobs (log, eval, checkpoint)."""
 
-    def __init__(self, cfg: Config, te: TrainEngine, state: TrainerState, train_shard, eval_shard=None,
-                 fingerprint: dict[str, Any] | None = None, clock: Clock | None = None):
+    def __init__(self, cfg: Config, te: TrainEngine, state: TrainerState, train: StepFeed, eval_shard=None,
+                 clock: Clock | None = None):
         self.cfg, self.te, self.state = cfg, te, state
-        self.fingerprint = fingerprint or {}  # of the row stream, stamped on every data state (rank 0)
         self.clock = clock or Clock(time.time())
         self.totals = RunTotals()
-        self.train_shard, self.eval_shard = train_shard, eval_shard
+        self.train, self.eval_shard = train, eval_shard
         self.run_dir = run_dir(cfg)
         self.storage = StorageOptions.from_config(cfg.storage)
         self.out = OutputDir(self.run_dir, self.storage) if te.rank == 0 else None
@@ -145,7 +123,8 @@ class WorkerLoop:
         self.last_checkpoint: str | None = None
         self.checkpointed_step = -1
         self.steps_this_fit = 0
-        # Fault-injection markers (tests): the run directory, or for object-store runs a local folder of this fit.
+        # Markers of the faults PIPELINES_FAULTS injects (pipelines.train.faults): the run directory, or for
+        # object-store runs a local folder of this fit.
         self.fault_dir = (os.path.join(tempfile.gettempdir(), "pipelines-faults", state.fit_id)
                           if is_remote(self.run_dir) else os.path.join(self.run_dir, ".faults"))
 
@@ -179,10 +158,7 @@ class WorkerLoop:
     def _epoch(self) -> int:
         """One pass over this rank's shard (or until max_steps); returns the optimizer steps taken."""
         train = self.cfg.train
-        if isinstance(self.train_shard, StepFeed):
-            source = BatchSource(self._feed_batches(self.train_shard))
-        else:
-            source = BatchSource(self._iter(self.train_shard, epoch=self.state.epoch))
+        source = BatchSource(self._feed_batches(self.train))
         steps = 0
         while not self._hit_max_steps():
             stats = train_step(self.te, source)
@@ -218,18 +194,11 @@ class WorkerLoop:
         while (micro := feed.next_step()) is not None:
             yield from micro
 
-    def _iter(self, shard, epoch: int | None = None):
-        """Micro-batches of a shard; training (``epoch`` given) gets the optional local shuffle buffer,
-        seeded per epoch and rank, e.g. shuffle_seed 42, epoch 1, rank 0 -> seed 1051."""
+    def _eval_batches(self):
+        """Micro-batches of this rank's eval shard (Ray Data's ``iter_torch_batches``)."""
         train = self.cfg.train
-        buffer = train.local_shuffle_buffer_size if epoch is not None else None
-        return shard.iter_torch_batches(
-            batch_size=train.micro_batch_size,
-            collate_fn=self.te.collate_fn(),
-            prefetch_batches=train.prefetch_batches,
-            local_shuffle_buffer_size=max(buffer, train.micro_batch_size) if buffer else None,
-            local_shuffle_seed=local_shuffle_seed(self.cfg.data.shuffle_seed, epoch, self.te.rank) if buffer else None,
-        )
+        return self.eval_shard.iter_torch_batches(batch_size=train.micro_batch_size, collate_fn=self.te.collate_fn(),
+                                                  prefetch_batches=train.prefetch_batches)
 
     def _no_rows_message(self) -> str:
         """Why a run that still has steps to take got none (an error: never reported as a success)."""
@@ -260,7 +229,7 @@ class WorkerLoop:
 
     def _evaluate(self) -> None:
         t0 = time.perf_counter()
-        res = evaluate(self.te, self._iter(self.eval_shard), self.cfg.train.eval_max_batches)
+        res = evaluate(self.te, self._eval_batches(), self.cfg.train.eval_max_batches)
         self.totals.eval_s += time.perf_counter() - t0
         rec = {"kind": "eval", "step": self.state.step, **res}
         self._print(startup_line(self.clock.now(), f"eval step {self.state.step} | loss {res['eval_loss']:.4f} | "
@@ -271,10 +240,10 @@ class WorkerLoop:
 
     def _checkpoint(self) -> None:
         t0 = time.perf_counter()
-        if isinstance(self.train_shard, StepFeed) and self.te.rank == 0:
-            # The data position after the last step, counted in source samples; the feeder also
-            # writes these steps to the ledger.
-            self.state.data_state = stamp(self.train_shard.commit(), self.fingerprint)
+        if self.te.rank == 0:
+            # The feeder's position after the last step, stored as it is; the feeder also writes these
+            # steps to the ledger.
+            self.state.data_state = self.train.commit()
         self.metrics.sync()
         name = report_checkpoint(self.te, self.state, self._report_metrics())
         self.last_checkpoint = f"{self.run_dir}/{name}"
@@ -313,11 +282,11 @@ class WorkerLoop:
                                  took=self.totals.first_step_s))
 
     def _data_quality(self) -> dict[str, Any]:
-        """The feeder's data-quality counters (empty when rows come from a given Ray Data shard)."""
-        if self.te.rank != 0 or not isinstance(self.train_shard, StepFeed):
+        """The feeder's data-quality counters (none for a given dataset)."""
+        if self.te.rank != 0:
             return {}
         try:
-            return self.train_shard.report().get("counters", {})
+            return self.train.report().get("counters", {})
         except Exception as err:  # noqa: BLE001  # the summary must not fail the run after the export
             self._print(f"(data-quality counters unavailable: {err!r})")
             return {}
@@ -347,7 +316,7 @@ class WorkerLoop:
                              else None),
             "checkpoint_path": self.last_checkpoint or (f"{self.run_dir}/{checkpoint_dir_name(self.state.step)}"
                                                          if self.state.step else None),
-            "ledger_path": f"{self.run_dir}/ledger" if isinstance(self.train_shard, StepFeed) else None,
+            "ledger_path": f"{self.run_dir}/ledger",
             "metrics_path": f"{self.run_dir}/metrics.jsonl",
         }
         self.metrics.write(rec)

@@ -19,7 +19,9 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from pipelines.config import Config, ConfigError
+from pipelines.stream.spec import build_spec, given_spec
 from pipelines.train.adapter import preflight_adapter
+from pipelines.train.checkpoint import check_resume
 from pipelines.train.deepspeed_config import resolve_deepspeed_config
 from pipelines.train.loop import payload, train_loop_per_worker
 from pipelines.train.storage import is_remote, ray_storage, storage_root
@@ -51,7 +53,8 @@ def preflight(cfg: Config) -> None:
 
 
 def _worker_env(use_gpu: bool) -> dict[str, Any] | None:
-    """Worker environment: DeepSpeed's CPU accelerator on CPU workers, and fault injection for tests."""
+    """Worker environment: DeepSpeed's CPU accelerator on CPU workers, and ``PIPELINES_FAULTS`` when set
+    (:mod:`pipelines.train.faults`)."""
     from pipelines.train.faults import ENV as FAULTS_ENV
 
     env = {} if use_gpu else {"DS_ACCELERATOR": "cpu"}
@@ -61,7 +64,7 @@ def _worker_env(use_gpu: bool) -> dict[str, Any] | None:
 
 
 def _ingest_options(cfg: Config):  # -> ray.data.ExecutionOptions
-    """Execution options for the datasets handed to the trainer (eval, or a given train set).
+    """Execution options for the datasets handed to Ray Train (eval).
 
     Passed explicitly: Ray Train's default (``DataConfig.default_ingest_options``) copies the driver's
     ``exclude_resources`` through the deprecated setter (a ``RayDeprecationWarning`` on every run) and
@@ -81,7 +84,10 @@ def build_trainer(
     *,
     started_at: float | None = None,
 ) -> TorchTrainer:
-    """A ``TorchTrainer`` fed by ``build_dataset(cfg, "train")`` (and ``"eval"``), or by given datasets.
+    """A ``TorchTrainer`` fed by the feeder: the configured training stream, or ``train_dataset`` (packed rows:
+    ``input_ids``, ``labels``, ``position_ids``; with ``sample_ids`` and the ``unit_*`` columns, as
+    ``build_dataset`` makes them, the ledger names the samples, else their row numbers). Eval reads
+    ``eval_dataset``, or ``build_dataset(cfg, "eval")`` when an eval split is configured.
 
     ``started_at``: ``time.time()`` when the job started (the job scripts pass it); rank 0's start-up
     lines and the summary count seconds from it. Default: now.
@@ -94,22 +100,22 @@ def build_trainer(
     # absolute here, against the driver's cwd, or rank 0 would write metrics/model somewhere else.
     cfg = cfg.model_copy(deep=True)
     cfg.run.storage_path = storage_root(cfg)
-    feed = train_dataset is None  # the default: exactly-once rows from the feeder, built in the workers
-    if feed and eval_dataset is None and has_eval(cfg):
+    # The training stream, worked out once for the whole fit (a restarted worker group streams the same files);
+    # a given dataset is the one source of its own spec.
+    spec = build_spec(cfg, "train") if train_dataset is None else given_spec(cfg)
+    if eval_dataset is None and has_eval(cfg):
         from pipelines.stream.dataset import build_dataset
 
         eval_dataset = build_dataset(cfg, split="eval")
-    if feed:  # refuse a checkpoint whose data position does not fit this stream, before any worker starts
-        from pipelines.stream.state import stream_fingerprint
-        from pipelines.train.checkpoint import check_resume
-
-        check_resume(cfg, stream_fingerprint(cfg))
-    datasets: dict[str, Any] = {} if feed else {"train": train_dataset}
+    check_resume(cfg, spec)  # refuse a data position that does not fit this stream, before any worker starts
+    datasets: dict[str, Any] = {}
     if eval_dataset is not None:
         datasets["eval"] = eval_dataset
-    for ds in datasets.values():
+    for ds in (*datasets.values(), *([train_dataset] if train_dataset is not None else [])):
         ds.context.enable_progress_bars = cfg.run.progress_bars
         ds.context.print_on_execution_start = cfg.run.progress_bars
+    if train_dataset is not None:  # its position is the rows taken: the order must be the same on a resume
+        train_dataset.context.execution_options.preserve_order = cfg.data.deterministic
     use_gpu = cfg.scaling.use_gpu
     storage_path, storage_filesystem = ray_storage(cfg)
     run_config = ray.train.RunConfig(
@@ -123,8 +129,8 @@ def build_trainer(
     )
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=payload(cfg, fit_id=uuid.uuid4().hex, has_eval=eval_dataset is not None, feed=feed,
-                                  started_at=time.time() if started_at is None else started_at),
+        train_loop_config=payload(cfg, spec, fit_id=uuid.uuid4().hex, has_eval=eval_dataset is not None,
+                                  given=train_dataset, started_at=time.time() if started_at is None else started_at),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.scaling.num_workers,
