@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,14 +166,12 @@ class JobRun:
         return self.stdout + self.stderr
 
 
-@pytest.fixture(scope="session")
-def sft_job(tmp_path_factory) -> JobRun:
-    """``python ray_jobs/sft.py`` + :data:`SFT_TINY` from a fresh directory, as a user runs it: its own
-    local Ray (not the session's), deprecation warnings shown, fake AWS credentials in its
-    environment, and no single-machine hint from this process (the job keeps Ray on loopback itself)."""
+def run_sft_job(tmp: Path) -> JobRun:
+    """``python ray_jobs/sft.py`` + :data:`SFT_TINY` from a fresh directory ``tmp``, as a user runs it: its own
+    local Ray (not the session's), deprecation warnings shown, fake AWS credentials in its environment, and
+    no single-machine hint from this process (the job keeps Ray on loopback itself)."""
     from pipelines.ray_local import SINGLE_MACHINE_ENV
 
-    tmp = tmp_path_factory.mktemp("sft_job")
     # Ray's socket paths must stay under 108 bytes; pytest's tmp dirs can be too long for them.
     ray_tmp = tempfile.mkdtemp(prefix="rj", dir="/tmp")
     env = {**os.environ, **FAKE_AWS, "RAY_TMPDIR": ray_tmp, "PYTHONUNBUFFERED": "1",
@@ -186,3 +185,83 @@ def sft_job(tmp_path_factory) -> JobRun:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     (tmp / "console.txt").write_text(proc.stdout + proc.stderr)  # what the user saw, kept with pytest's tmp dirs
     return JobRun(proc.returncode, proc.stdout, proc.stderr, tmp / "demo")
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """One finished ``benchmarks/run.py --quick``: its output folder, BENCHMARKS.md, results.json and stdout."""
+
+    out: Path
+    md: str
+    results: dict
+    stdout: str
+
+
+# The marker line of benchmarks/run.py that keeps the sections below it (read from its text: the tests do not
+# import the benchmarks), and a section an earlier BENCHMARKS.md kept there.
+BENCH_KEPT_SECTION = "## Measured elsewhere\n\n| x | y |\n|---|---|\n| 1 | 2 |\n"
+
+
+def bench_kept_marker() -> str:
+    import re
+
+    text = (ROOT / "benchmarks" / "run.py").read_text(encoding="utf-8")
+    return re.search(r'^KEPT_MARKER = "(.*)"$', text, re.M).group(1)
+
+
+def run_bench_quick(out: Path) -> BenchRun:
+    """``benchmarks/run.py --quick`` into ``out``, over a BENCHMARKS.md from an earlier run (its tables are
+    replaced, its kept sections stay). B5-B7 run other people's scripts (train_stall.py, mds_read.py,
+    resume.py), each with its own tests and a run time that is not ours to budget; how run.py calls them is
+    tested in tests/test_benchmarks_quick.py with stand-in scripts."""
+    (out / "BENCHMARKS.md").write_text(f"stale tables\n\n{bench_kept_marker()}\n\n{BENCH_KEPT_SECTION}", encoding="utf-8")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(out), "--skip", "B5,B6,B7"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=840)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    md = (out / "BENCHMARKS.md").read_text(encoding="utf-8")
+    results = json.loads((out / "results" / "results.json").read_text(encoding="utf-8"))
+    return BenchRun(out, md, results, proc.stdout)
+
+
+# --------------------------------------------------------------------------- jobs beside the tests
+
+# Jobs that run as processes of their own, with their own Ray, and that tests read afterwards. They start
+# when collection ends, one after another in a thread, while the in-process tests run (those leave CPU
+# idle while they wait on Ray's workers); the tests that read them run last (pytest_collection_modifyitems).
+# A fixture named after a job returns its result, or runs it then and there when it was not started.
+BACKGROUND_JOBS = {"sft_job": ("sft_job", run_sft_job), "quick_run": ("bench", run_bench_quick)}
+_started: dict[str, Future] = {}
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    wanted = [name for name in BACKGROUND_JOBS if any(name in getattr(it, "fixturenames", ()) for it in items)]
+    if not wanted:
+        return
+    late = [it for it in items if set(getattr(it, "fixturenames", ())) & set(wanted)]
+    items[:] = [it for it in items if it not in late] + late
+    factory = config._tmp_path_factory
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-job")
+    for name in wanted:
+        folder, run = BACKGROUND_JOBS[name]
+        _started[name] = pool.submit(run, factory.mktemp(folder))
+    pool.shutdown(wait=False)
+
+
+def _background(name: str, factory) -> object:
+    if name in _started:
+        return _started[name].result()
+    folder, run = BACKGROUND_JOBS[name]
+    return run(factory.mktemp(folder))
+
+
+@pytest.fixture(scope="session")
+def sft_job(tmp_path_factory) -> JobRun:
+    """The default job's run (:func:`run_sft_job`): tests/test_console.py reads its console and
+    tests/test_security_placement.py its Ray address and everything it wrote."""
+    return _background("sft_job", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def quick_run(tmp_path_factory) -> BenchRun:
+    """The quick benchmark run (:func:`run_bench_quick`) that tests/test_benchmarks_quick.py reads."""
+    return _background("quick_run", tmp_path_factory)

@@ -8,50 +8,24 @@ data in ../shared/data; without them it skips with the reason.
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, needs_shared
+from conftest import BENCH_KEPT_SECTION, ROOT, bench_kept_marker, needs_shared
 
 pytest.importorskip("datasets", reason="benchmarks need the bench extra: pip install -e '.[bench]'")
 pytest.importorskip("matplotlib", reason="benchmarks need the bench extra: pip install -e '.[bench]'")
 pytest.importorskip("psutil", reason="benchmarks need the bench extra: pip install -e '.[bench]'")
 
 PLOTS = ("b2_throughput.png", "b3_ttfb_rss.png", "b4_packing.png", "b4_row_lengths.png")
-KEPT_SECTION = "## Measured elsewhere\n\n| x | y |\n|---|---|\n| 1 | 2 |\n"
+KEPT_MARKER, KEPT_SECTION = bench_kept_marker(), BENCH_KEPT_SECTION
 
 
-def _kept_marker() -> str:
-    """``benchmarks/run.py``'s marker line, read from its text (this module does not import the benchmarks)."""
-    text = (ROOT / "benchmarks" / "run.py").read_text(encoding="utf-8")
-    return re.search(r'^KEPT_MARKER = "(.*)"$', text, re.M).group(1)
-
-
-KEPT_MARKER = _kept_marker()
-
-
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench")
-    # A BENCHMARKS.md from an earlier run: its tables are replaced, its kept sections (below the marker) stay.
-    (out / "BENCHMARKS.md").write_text(f"stale tables\n\n{KEPT_MARKER}\n\n{KEPT_SECTION}", encoding="utf-8")
-    # B5-B7 run other people's scripts (train_stall.py, mds_read.py, resume.py), each with its own tests and
-    # a run time that is not ours to budget; how run.py calls them is tested below with stand-in scripts.
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(out), "--skip", "B5,B6,B7"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=840)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    md = (out / "BENCHMARKS.md").read_text(encoding="utf-8")
-    results = json.loads((out / "results" / "results.json").read_text(encoding="utf-8"))
-    return out, md, results, proc.stdout
-
-
+@pytest.mark.slow
 @needs_shared
 @pytest.mark.timeout(900)
 def test_quick_writes_tables_and_plots(quick_run):
-    out, md, results, _ = quick_run
+    out, md = quick_run.out, quick_run.md
     for title in ("## Targets", "## B1", "## B2", "## B3", "## B4", "## B5", "## B6", "## B7", "## B8"):
         assert title in md, f"{title} missing from BENCHMARKS.md"
     assert "stale tables" not in md and md.endswith(f"\n{KEPT_MARKER}\n\n{KEPT_SECTION}")  # kept, once
@@ -65,10 +39,11 @@ def test_quick_writes_tables_and_plots(quick_run):
         assert f"results/{name}" in md
 
 
+@pytest.mark.slow
 @needs_shared
 @pytest.mark.timeout(900)
 def test_quick_numbers_are_real(quick_run):
-    _, md, results, _ = quick_run
+    md, results = quick_run.md, quick_run.results
     ing = results["ingest"]
     # B1 ceiling and the systems of B2 measured real throughput.
     for key in ("raw 1t", "raw 2t", "raw offsets 2t", "hf_stream"):
@@ -107,18 +82,19 @@ def test_quick_numbers_are_real(quick_run):
     assert md.count("not available: not run (--only / --skip)") == 3
 
 
+@pytest.mark.slow
 @needs_shared
 @pytest.mark.timeout(900)
 def test_quick_feeder_scale_delivers_every_token_to_the_ranks(quick_run):
     """B8 (feeder_scale.py --quick): the feeder (and the old one, while feeder_scale.py still runs it)
     delivers the whole stream to N ranks."""
-    _, md, results, _ = quick_run
+    md, results = quick_run.md, quick_run.results
     b8 = results["B8"]
     assert b8["status"] == "ok", b8
     r = b8["results"][-1]
     assert r["tokens"] == r["rows"] * 2048 and r["ceiling"]["tokens"] == r["tokens"]
     for n, per in r["per_n"].items():
-        for key in [k for k in ("feeder", "old") if k == "feeder" or k in per]:
+        for key in ("feeder",):
             assert per[key]["tokens"] == r["tokens"], (n, key, per[key])  # every row, once, to some rank
             assert per[key]["tokens_per_s"] > 0 and per[key]["cpu_s_per_m_tokens"] > 0, (n, key)
             assert per[key]["feeder_peak_rss_mb"] > 0

@@ -110,6 +110,7 @@ def _records(run: Path, kind: str) -> list[dict]:
     return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sft_entry_point_prints_clean_lines_and_a_true_summary(sft_job):
     assert sft_job.returncode == 0, sft_job.console[-4000:]

@@ -92,6 +92,7 @@ def child() -> None:
     cluster.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_far_blocks_are_described_where_they_lie_and_never_pulled_to_the_feeder():
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -26,6 +26,7 @@ sys.meta_path.insert(0, _NoRay())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_gpu_check_tiny_cpu_mode_without_ray(tmp_path):
     rows = tmp_path / "rows.npz"

@@ -33,7 +33,7 @@ SMALL = [
     "train.bf16=false", "run.max_failures=2", "run.keep_checkpoints=3",
     'train.deepspeed={"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}',
 ]
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _fit(tmp_path: Path, name: str):

@@ -97,6 +97,7 @@ def _peft_entry(state_dict: dict, key: str) -> torch.Tensor:
     return state_dict[adapted] if adapted in state_dict else state_dict["base_model.model." + key]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_lora_trains_only_adapters_and_exports_match(tmp_path, stage):

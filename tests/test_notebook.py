@@ -18,6 +18,7 @@ def test_committed_without_outputs():
     assert code and all(not c["outputs"] and c["execution_count"] is None for c in code)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_quickstart_executes(tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")

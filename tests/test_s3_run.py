@@ -20,7 +20,7 @@ from pipelines.sources.listing import make_sample_id
 from pipelines.stream.ledger import Ledger, sample_counts
 
 N = 96
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _data(tmp_path: Path) -> Path:

@@ -13,6 +13,7 @@ from conftest import FAKE_AWS
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_default_job_on_loopback_and_no_credentials_in_anything_it_writes_or_prints(sft_job):
     """The run of ``conftest.sft_job``: the job had fake AWS credentials in its environment and no
@@ -58,6 +59,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tokenizer_actors_run_only_where_the_resource_is():
     """``data.tokenize.resources`` pins the actors: here a custom resource stands in for a CPU node type."""

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from itertools import zip_longest
 
+import pytest
 from conftest import ALPACA, GPT2, LIMA, RAY_LOCAL_INIT, ROOT, make_config, needs_shared
 
 from pipelines.stats import StatsSink
@@ -79,6 +80,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_a_new_ray_session_in_the_same_process_gets_a_new_stats_actor(tmp_path):
     cfg = {"model": {"tokenizer": str(GPT2)},
            "data": {"datasets": [{"path": str(ALPACA), "type": "alpaca"}], "sequence_len": 512}}

@@ -51,6 +51,7 @@ def _load_and_generate(model_dir: Path) -> str:
     return tok.decode(out[0, ids.shape[1]:])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sft_zero2_checkpoint_export_and_a_new_job_resumes_exactly(ray_local, tmp_path, monkeypatch):
     """One uninterrupted run, and the same run cut by a crash after checkpoint 16 and resumed by a new job:
@@ -96,6 +97,7 @@ def test_sft_zero2_checkpoint_export_and_a_new_job_resumes_exactly(ray_local, tm
     assert json.loads((cut / "summary.json").read_text())["steps_this_run"] == 8
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_pretrain_zero3_concat_export(ray_local, tmp_path):
     cfg, result = _fit("pretrain.yaml", [
@@ -133,6 +135,7 @@ def _initial_weights(cfg) -> dict:
     return build_model(cfg.model, load_tokenizer(cfg.model), "sdpa").state_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_odd_row_count_epochs_no_hang(ray_local, tmp_path):
     """9 rows over 2 workers, 2 epochs, no max_steps: both ranks finish every epoch together."""
@@ -157,6 +160,7 @@ def test_odd_row_count_epochs_no_hang(ray_local, tmp_path):
     assert not (tmp_path / "odd" / "model").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_worker_failure_resumes_from_checkpoint(ray_local, tmp_path):
     """run.max_failures=1: a failure mid-run restarts the workers, which resume from the last checkpoint."""
@@ -210,6 +214,7 @@ def test_relative_storage_path_is_resolved_in_the_driver(ray_local, tmp_path, mo
     assert cfg.run.storage_path == "runs"  # the caller's config is left alone
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_trains_from_a_pretrained_model_directory(ray_local, tmp_path):
     """``model.name_or_path`` = a ``save_pretrained`` directory: the run starts from those weights.

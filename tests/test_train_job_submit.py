@@ -101,6 +101,7 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ray_job_submit_sft(ray_head, tmp_path):
     address, env = ray_head

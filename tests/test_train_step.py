@@ -119,6 +119,7 @@ def _mean_of_row_means(rows) -> float:
     return float(np.mean(means))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_global_token_mean_two_workers_vs_one(tmp_path):
     rows = _rows()
@@ -142,6 +143,7 @@ def test_global_token_mean_two_workers_vs_one(tmp_path):
         torch.testing.assert_close(two["weights"][name], w, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_uneven_shards_same_step_count_zero3(tmp_path):
     """Rank 0 has 5 micro-batches, rank 1 has 1: with G=2 both ranks take 3 steps and nobody hangs."""
