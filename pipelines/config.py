@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -28,7 +28,19 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
+    """Every key used or rejected: unknown keys are errors, and a removed key's error says what to use instead."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    _removed: ClassVar[dict[str, str]] = {}  # removed key -> what to use instead
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_removed_keys(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            for key, instead in cls._removed.items():
+                if key in values:
+                    raise ValueError(f"{key} was removed: {instead}")
+        return values
 
 
 # --------------------------------------------------------------------------- model
@@ -204,14 +216,9 @@ class DatasetConfig(_Strict):
     )
     segments_field: str = Field("segments", description="input_output: list of {text, label} segments.")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _renamed(cls, values: Any) -> Any:
-        if isinstance(values, dict) and "roles_to_train" in values:
-            raise ValueError("roles_to_train was removed: assistant turns train (train_turns: all | last, or a "
-                             "message's own train: true|false); user, system and tool turns train only under "
-                             "data.train_on_inputs")
-        return values
+    _removed: ClassVar[dict[str, str]] = {
+        "roles_to_train": "assistant turns train (train_turns: all | last, or a message's own train: true|false); "
+                          "user, system and tool turns train only under data.train_on_inputs"}
 
     @model_validator(mode="after")
     def _chat_keys_for_chat(self) -> DatasetConfig:
@@ -336,15 +343,11 @@ class DataConfig(_Strict):
 class TrainConfig(_Strict):
     """The optimisation loop run by each Ray Train worker."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _removed(cls, values: Any) -> Any:
-        if isinstance(values, dict) and "local_shuffle_buffer_size" in values:
-            raise ValueError("local_shuffle_buffer_size was removed: every rank trains on its slice of one "
-                             "deterministic stream (exactly once, resumable), which is shuffled by data.shuffle_seed "
-                             "(the file order each epoch and the rows of each packing unit); a larger "
-                             "data.pack_buffer_size shuffles over more samples")
-        return values
+    _removed: ClassVar[dict[str, str]] = {
+        "local_shuffle_buffer_size": "every rank trains on its slice of one deterministic stream (exactly once, "
+                                     "resumable), which is shuffled by data.shuffle_seed (the file order each epoch "
+                                     "and the rows of each packing unit); a larger data.pack_buffer_size shuffles "
+                                     "over more samples"}
 
     micro_batch_size: int = Field(1, gt=0, description="Packed rows per worker per forward pass.")
     gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step on each worker.")

@@ -313,3 +313,26 @@ def test_bad_override_is_config_error(tmp_path: Path, override: str, message: st
     path = write_config(tmp_path, BASE)
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(path, overrides=[override])
+
+
+@pytest.mark.parametrize(("section", "key", "value", "instead"), [
+    ("train", "local_shuffle_buffer_size", 1000, "data.shuffle_seed"),
+    ("data.datasets.0", "roles_to_train", ["gpt"], "train_turns"),
+])
+def test_a_removed_key_says_what_to_use_instead(section: str, key: str, value: Any, instead: str) -> None:
+    raw: dict[str, Any] = {"model": {"tokenizer": "demo://tokenizer"}, "data": {"datasets": [{"path": "x.jsonl"}]}}
+    if section == "train":
+        raw["train"] = {key: value}
+    else:
+        raw["data"]["datasets"][0][key] = value
+    with pytest.raises(ConfigError, match=rf"{re.escape(section)}: .*{key} was removed: .*{re.escape(instead)}"):
+        config_from_dict(raw)
+
+
+def test_two_datasets_need_distinct_names() -> None:
+    raw = {"model": {"tokenizer": "demo://tokenizer"},
+           "data": {"datasets": [{"path": "x.jsonl"}, {"path": "x.jsonl", "weight": 2.0}]}}
+    with pytest.raises(ConfigError, match="'x.jsonl' names more than one entry"):
+        config_from_dict(raw)
+    raw["data"]["datasets"][1]["name"] = "x-again"
+    assert [d.name for d in config_from_dict(raw).data.datasets] == [None, "x-again"]

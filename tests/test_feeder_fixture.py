@@ -21,6 +21,7 @@ def _recorder():
     return mod
 
 
+@pytest.mark.slow  # end to end through Ray Data on real data: the full suite runs it, the fast tier does not
 @needs_shared
 @pytest.mark.timeout(600)
 def test_feeder_delivers_the_recorded_rows_per_rank_per_step(ray_local):

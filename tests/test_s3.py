@@ -178,6 +178,7 @@ def test_shard_missing_on_s3_names_dataset_and_shard(moto_s3, corpus, caplog):
 # ----------------------------------------------------------------------------- faults
 
 
+@pytest.mark.slow  # end to end through Ray Data on real data: the full suite runs it, the fast tier does not
 def test_503s_cut_responses_and_an_outage_mid_read_lose_nothing(ray_local, moto_s3, corpus, reference_rows):
     proxy = FaultProxy(moto_s3.port)
     try:

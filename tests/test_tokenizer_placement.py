@@ -54,6 +54,7 @@ def _read_stage(ds):
     return read_op(ds).datasource.stage
 
 
+@pytest.mark.slow  # end to end through Ray Data on real data: the full suite runs it, the fast tier does not
 @needs_shared
 def test_both_placements_give_the_rows_and_counts_of_the_local_path(ray_local, tmp_path):
     """Alpaca and tool-call chats (SmolLM2's chat template: the transformers tokenizer loads in the stage),

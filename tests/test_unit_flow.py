@@ -52,6 +52,7 @@ def test_read_blocks_are_one_row_per_unit_and_first_unit_is_small(tmp_path):
     assert ids == list(range(n))
 
 
+@pytest.mark.slow  # end to end through Ray Data on real data: the full suite runs it, the fast tier does not
 @needs_shared
 @pytest.mark.parametrize("placement", ["actors", "read_tasks"])
 def test_read_operator_emits_one_block_per_unit_and_rows_match_local(ray_local, tmp_path, placement):
@@ -198,6 +199,7 @@ def test_read_concurrency_follows_the_tokenizer_pool():
     assert read_concurrency(cfg(read_concurrency=2), token_ids=True) == 2
 
 
+@pytest.mark.slow  # end to end through Ray Data on real data: the full suite runs it, the fast tier does not
 @needs_shared
 def test_capped_reads_give_the_same_rows(ray_local, tmp_path):
     from pipelines.stream.dataset import build_dataset, iter_packed_local
