@@ -162,45 +162,37 @@ def test_odd_row_count_epochs_no_hang(ray_local, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_worker_failure_resumes_from_checkpoint(ray_local, tmp_path):
-    """run.max_failures=1: a failure mid-run restarts the workers, which resume from the last checkpoint."""
+def test_worker_failure_resumes_from_checkpoint(ray_local, tmp_path, monkeypatch):
+    """run.max_failures=1 on a given dataset: a worker failure mid-run (after step 7, checkpoints every 2 steps)
+    restarts the workers, which resume from the last checkpoint, and the feeder serves the given rows from
+    there on: every row once."""
     import numpy as np
+    import pyarrow.fs as pafs
     import ray
 
+    from pipelines.stream.ledger import Ledger, sample_counts
     from pipelines.train.step import synthetic_rows
     from pipelines.train.trainer import build_trainer
 
     rows = [{k: np.asarray(v).tolist() for k, v in r.items()} for r in synthetic_rows(60, 64, 260)]
-    marker, trigger = str(tmp_path / "failed"), str(tmp_path / "ft" / "checkpoint_00000004")
-
-    def fail_once(batch):
-        """Slow pass-through (training waits on data) that raises once, as soon as checkpoint 4 exists.
-        Defined here so cloudpickle ships it by value to the Ray Data tasks."""
-        import os
-        import time
-
-        time.sleep(0.2)
-        if os.path.exists(trigger) and not os.path.exists(marker):
-            open(marker, "w").close()
-            raise RuntimeError("injected data failure")
-        return batch
-
-    # One task at a time, 0.2 s a row: the stream stays behind training, so the failure lands mid-run.
-    ds = ray.data.from_items(rows).map_batches(fail_once, batch_size=1, compute=ray.data.TaskPoolStrategy(size=1))
+    ds = ray.data.from_items(rows).map_batches(lambda batch: batch, batch_size=4)  # lazy, as users hand them in
+    monkeypatch.setenv("PIPELINES_FAULTS", "7:raise")
     cfg = load_config(ROOT / "configs" / "default.yaml", TINY + [
         f"run.storage_path={tmp_path}", "run.name=ft", "run.max_failures=1", "train.max_steps=12",
         "train.micro_batch_size=1", "train.checkpoint_every_steps=2", "train.log_every_steps=1",
         "train.prefetch_batches=0", "run.export_model=false", "data.eval_fraction=0",
     ])
     result = build_trainer(cfg, train_dataset=ds).fit()
-    assert Path(marker).exists()  # the failure did happen
+    assert (tmp_path / "ft" / ".faults" / "fault_step_7").exists()  # the failure did happen
     (resume,) = _records(tmp_path / "ft", "resume")
     steps = [r["step"] for r in _records(tmp_path / "ft", "train")]
-    # Resumed from a checkpoint (every 2 steps) taken before the failure, not from scratch; training
-    # then continues with the next step.
-    assert resume["step"] >= 2 and resume["step"] % 2 == 0
+    # Resumed from the checkpoint before the failure, not from scratch; training then continues with the next step.
+    assert resume["step"] == 6
     assert steps[steps.index(resume["step"]) + 1] == resume["step"] + 1
     assert steps[-1] == 12 and result.metrics["step"] == 12
+    # The given rows are numbered in their order: 12 steps x 2 ranks x 1 row, each row once.
+    counts = sample_counts(Ledger(pafs.LocalFileSystem(), str(tmp_path / "ft" / "ledger")).entries())
+    assert counts == {i: 1 for i in range(24)}
 
 
 def test_relative_storage_path_is_resolved_in_the_driver(ray_local, tmp_path, monkeypatch):

@@ -36,12 +36,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import pyarrow as pa
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipelines.config import Config
 from pipelines.storage import StorageOptions, filesystem_for
-from pipelines.stream.blocks import RankItem, RowSlice, as_list_columns, chunks_of
+from pipelines.stream.blocks import ROW_COLUMNS, RankItem, RowSlice, as_list_columns, chunks_of
 from pipelines.stream.dataset import all_pretokenized, data_report, source_dataset
 from pipelines.stream.ledger import Ledger, LedgerEntry
 from pipelines.stream.mixing import Chunk, Mixer, Picked
@@ -200,8 +201,7 @@ class Feeder:
         point = state.point
         if self.given is not None:
             self.datasets.append(self.given)
-            rows = self.given.map_batches(as_list_columns, batch_size=None, batch_format="pyarrow")
-            return _rows_from(chunks_of(rows), point.row), {0: 0}
+            return _rows_from(chunks_of(_with_list_columns(self.given)), point.row), {0: 0}
         ds = source_dataset(self.spec, i, epoch=point.epoch, start=point)
         self.datasets.append(ds)
         return chunks_of(ds), self.spec.file_positions(point.epoch, i)
@@ -314,6 +314,16 @@ class Feeder:
                 have = totals["examples"].setdefault(k, [])
                 have.extend(v[: max(0, 5 - len(have))])
         return totals
+
+
+def _with_list_columns(ds: ray.data.Dataset) -> ray.data.Dataset:
+    """``ds`` as is when its schema is known and its row columns are lists (a materialized or ``build_dataset``
+    stream), else through :func:`~pipelines.stream.blocks.as_list_columns` (one more map stage)."""
+    schema = ds.schema(fetch_if_missing=False)
+    names = dict(zip(schema.names, schema.types, strict=True)) if schema is not None else None
+    if names is not None and all(pa.types.is_list(names[c]) for c in ROW_COLUMNS if c in names):
+        return ds
+    return ds.map_batches(as_list_columns, batch_size=None, batch_format="pyarrow")
 
 
 def _rows_from(chunks: Iterator[Chunk], first: int) -> Iterator[Chunk]:
