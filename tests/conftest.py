@@ -235,7 +235,7 @@ _started: dict[str, Future] = {}
 
 def pytest_collection_modifyitems(session, config, items) -> None:
     wanted = [name for name in BACKGROUND_JOBS if any(name in getattr(it, "fixturenames", ()) for it in items)]
-    if not wanted:
+    if not wanted or config.option.collectonly:
         return
     late = [it for it in items if set(getattr(it, "fixturenames", ())) & set(wanted)]
     items[:] = [it for it in items if it not in late] + late
