@@ -9,6 +9,7 @@ of the child's whole process tree (Ray's raylet, GCS and workers included) with 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -34,6 +35,9 @@ GPT2 = SHARED / "tokenizers" / "gpt2"
 SMOLLM2 = SHARED / "tokenizers" / "smollm2-135m-instruct"
 DEFAULT_WORK = BENCH_DIR / ".work"
 PY = sys.executable
+# Systems that run mosaic-streaming's own code: in the venv that has it (tests/mosaic_venv.py; mosaic 0.13
+# pins transformers<5 and numpy<2.2, so it cannot share the project's environment).
+MOSAIC_SYSTEMS = ("prep_mds", "mosaic")
 RESULT_TAG = "BENCH_RESULT "
 
 # No hub access at run time; every child runs with these.
@@ -190,6 +194,13 @@ class TreeRSS:
         self._thread.join()
 
 
+@functools.cache
+def mosaic_python() -> Path:
+    """The interpreter of the venv with mosaicml-streaming, made on first use (tests/mosaic_venv.py)."""
+    proc = subprocess.run([PY, str(ROOT / "tests" / "mosaic_venv.py")], capture_output=True, text=True, check=True)
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
 def run_system(name: str, params: dict[str, Any], timeout: float = 600, env: dict[str, str] | None = None,
                log_dir: Path | None = None) -> dict[str, Any]:
     """Run ``systems.py name params`` in a child; its result dict plus ``peak_rss_mb`` and ``wall_s``.
@@ -201,7 +212,8 @@ def run_system(name: str, params: dict[str, Any], timeout: float = 600, env: dic
     log_dir = Path(log_dir or tempfile.gettempdir())
     log_dir.mkdir(parents=True, exist_ok=True)
     err_path = log_dir / f"{name}-{os.getpid()}-{time.monotonic_ns()}.stderr"
-    cmd = [PY, str(BENCH_DIR / "systems.py"), name, json.dumps(params)]
+    cmd = [str(mosaic_python()) if name in MOSAIC_SYSTEMS else PY, str(BENCH_DIR / "systems.py"), name,
+           json.dumps(params)]
     t0, t_spawn = time.perf_counter(), time.time()
     with open(err_path, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=child_env, cwd=ROOT, text=True,

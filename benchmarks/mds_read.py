@@ -4,7 +4,7 @@
     python benchmarks/mds_read.py --quick    # ~2 MB: a smoke run of every measurement
 
 Data: the Alpaca and LIMA records of ../shared/data (alpaca format), replicated to the target size,
-written once as JSONL files and as MDS shards (mosaic's ``MDSWriter``, zstd), the shards also uploaded
+written once as JSONL files and as MDS shards (zstd; our writer, which writes the bytes mosaic's ``MDSWriter`` writes), the shards also uploaded
 to a ``moto_server`` on 127.0.0.1 (started and stopped here). Each measurement runs in its own child
 process (``--child NAME``) so imports, ``ray.init`` and memory never leak between systems:
 
@@ -98,13 +98,13 @@ def prepare_convert(work: Path, target_mb: float, files: int) -> dict[str, Any]:
 
 def prepare(work: Path, target_mb: float, shard_bytes: int, files: int) -> dict[str, Any]:
     """JSONL files and zstd MDS shards of the records replicated to ``target_mb`` (uncompressed)."""
-    from streaming import MDSWriter
+    from pipelines.mds.writer import ShardWriter  # mosaic's MDSWriter's bytes (tests/test_mds_codec.py)
 
     rows, copies = replicated(target_mb)
     mds = work / "mds"
     shutil.rmtree(work, ignore_errors=True)
     write_jsonl(work / "jsonl", rows, files)
-    with MDSWriter(out=str(mds), columns=COLUMNS, compression="zstd", hashes=["xxh64"], size_limit=shard_bytes) as w:
+    with ShardWriter(out=str(mds), columns=COLUMNS, compression="zstd", hashes=["xxh64"], size_limit=shard_bytes) as w:
         for r in rows:
             w.write(r)
     index = json.loads((mds / "index.json").read_text())
@@ -127,8 +127,9 @@ def prepare_tokens(work: Path, shard_bytes: int) -> dict[str, Any]:
     """llm-foundry's concatenated-tokens MDS of the same records: GPT-2 ids (+ EOS per document),
     concatenated and cut into SEQ_LEN-token samples (``tokens: ndarray:int32``)."""
     import numpy as np
-    from streaming import MDSWriter
     from tokenizers import Tokenizer
+
+    from pipelines.mds.writer import ShardWriter
 
     sys.path.insert(0, str(ROOT))
     tok = Tokenizer.from_file(str(GPT2 / "tokenizer.json"))
@@ -137,7 +138,7 @@ def prepare_tokens(work: Path, shard_bytes: int) -> dict[str, Any]:
     out = work / "mds_tokens"
     shutil.rmtree(out, ignore_errors=True)
     samples, buf = 0, np.zeros(0, np.int32)
-    with MDSWriter(out=str(out), columns={"tokens": "ndarray:int32"}, compression="zstd", hashes=["xxh64"],
+    with ShardWriter(out=str(out), columns={"tokens": "ndarray:int32"}, compression="zstd", hashes=["xxh64"],
                    size_limit=shard_bytes) as w:
         for path in sorted((work / "jsonl").glob("*.jsonl")):
             rows = [json.loads(line) for line in path.read_text().splitlines()]
@@ -349,8 +350,14 @@ def _child_once(name: str, params: dict[str, Any]) -> dict[str, Any]:
     stale = [params.get("out"), params.get("local") if params.get("remote") else None]  # never the source
     for path in filter(None, stale):
         shutil.rmtree(path, ignore_errors=True)
-    out = subprocess.run([sys.executable, __file__, "--child", name, json.dumps(params)], capture_output=True,
-                         text=True, env={**os.environ, **ENV})
+    python = sys.executable
+    env = {**os.environ, **ENV}
+    if name in ("mosaic", "tokenize_loop"):  # mosaic's own code, in the venv that has it (tests/mosaic_venv.py)
+        python = subprocess.run([sys.executable, str(ROOT / "tests" / "mosaic_venv.py")], capture_output=True,
+                                text=True, check=True).stdout.strip().splitlines()[-1]
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    out = subprocess.run([python, __file__, "--child", name, json.dumps(params)], capture_output=True,
+                         text=True, env=env)
     for line in out.stdout.splitlines():
         if line.startswith(TAG):
             return json.loads(line[len(TAG):])

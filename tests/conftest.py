@@ -229,7 +229,14 @@ def run_bench_quick(out: Path) -> BenchRun:
 # when collection ends, one after another in a thread, while the in-process tests run (those leave CPU
 # idle while they wait on Ray's workers); the tests that read them run last (pytest_collection_modifyitems).
 # A fixture named after a job returns its result, or runs it then and there when it was not started.
-BACKGROUND_JOBS = {"sft_job": ("sft_job", run_sft_job), "quick_run": ("bench", run_bench_quick)}
+def _make_mosaic_python(tmp: Path) -> Path:
+    from mosaic_venv import mosaic_python
+
+    return mosaic_python()
+
+
+BACKGROUND_JOBS = {"mosaic_python": ("mosaic", _make_mosaic_python), "sft_job": ("sft_job", run_sft_job),
+                   "quick_run": ("bench", run_bench_quick)}
 _started: dict[str, Future] = {}
 
 
@@ -265,3 +272,9 @@ def sft_job(tmp_path_factory) -> JobRun:
 def quick_run(tmp_path_factory) -> BenchRun:
     """The quick benchmark run (:func:`run_bench_quick`) that tests/test_benchmarks_quick.py reads."""
     return _background("quick_run", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def mosaic_python(tmp_path_factory) -> Path:
+    """A Python with mosaicml-streaming (tests/mosaic_venv.py), for the tests that run mosaic's own code."""
+    return _background("mosaic_python", tmp_path_factory)

@@ -1,12 +1,15 @@
-"""MDS on local disk: mosaic-written shards through build_dataset, our datasink through mosaic's
-StreamingDataset, pre-tokenized sets (llm-foundry's layout and convert.py --tokenize), and bad input.
+"""MDS on local disk: shards through build_dataset, our datasink through mosaic's StreamingDataset,
+pre-tokenized sets (llm-foundry's layout and convert.py --tokenize), and bad input.
 
-Proves: every sample of a mosaic-written set (str, int64, json, ndarray:int32 columns; zstd and no
-compression; sha1+xxh64 hashes; dozens of shards) comes out of build_dataset exactly once with the
-same values; a nested index made by mosaic's merge_index reads the same; rows written by
-MDSDatasink are exactly what StreamingDataset returns; token columns skip the tokenizer and come out
-unchanged; a tokenized set is refused under another tokenizer; each kind of broken set fails with
-an error naming the dataset and the shard.
+The input sets are written with our shard writer, which writes the bytes mosaic's ``MDSWriter`` writes
+(tests/test_mds_codec.py compares them with shards mosaic wrote); mosaic's own ``StreamingDataset`` runs
+in a venv of its own (tests/mosaic_venv.py).
+
+Proves: every sample of a set (str, int64, json, ndarray:int32 columns; zstd and no compression;
+sha1+xxh64 hashes; dozens of shards) comes out of build_dataset exactly once with the same values; a
+nested index reads the same; rows written by MDSDatasink are exactly what StreamingDataset returns;
+token columns skip the tokenizer and come out unchanged; a tokenized set is refused under another
+tokenizer; each kind of broken set fails with an error naming the dataset and the shard.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ import pyarrow as pa
 import pytest
 import yaml
 from conftest import ALPACA, C4, GPT2, SMOLLM2, load_ray_job, make_config, needs_shared, read_op
+from mds_sets import mds_write as write_set
+from mds_sets import merge_index, plain_sample, read_ours
+from mosaic_venv import mosaic_read
 
 from pipelines.mds.index import MDSError
 from pipelines.mds.writer import MDSDatasink
@@ -48,15 +54,9 @@ def _as_json(sample: dict) -> dict:
     return {**sample, "ids": sample["ids"].tolist()}
 
 
-def mosaic_write(out: Path, samples: list[dict], compression: str | None, hashes=("sha1", "xxh64"),
-                 size_limit: int = 1 << 15, columns: dict = COLUMNS) -> Path:
-    from streaming import MDSWriter
-
-    with MDSWriter(out=str(out), columns=columns, compression=compression, hashes=list(hashes),
-                   size_limit=size_limit) as w:
-        for s in samples:
-            w.write(s)
-    return out
+def mds_write(out: Path, samples: list[dict], compression: str | None, hashes=("sha1", "xxh64"),
+              size_limit: int = 1 << 15, columns: dict = COLUMNS) -> Path:
+    return write_set(out, samples, columns, compression, hashes, size_limit)
 
 
 def _global_index(cfg) -> dict[int, int]:
@@ -99,7 +99,7 @@ def gpt2():
 @pytest.mark.parametrize("compression", ["zstd", None])
 def test_mosaic_written_shards_through_build_dataset(ray_local, tmp_path, alpaca, gpt2, compression):
     samples = _samples(alpaca)
-    root = mosaic_write(tmp_path / "mds", samples, compression)
+    root = mds_write(tmp_path / "mds", samples, compression)
     index = json.loads((root / "index.json").read_text())
     assert len(index["shards"]) >= 24 and index["shards"][0]["hashes"] == ["sha1", "xxh64"]
     cfg = make_config([{"path": str(root), "type": "alpaca"}], sequence_len=2048, read_tasks=2)  # auto: index.json
@@ -128,12 +128,10 @@ def test_mosaic_written_shards_through_build_dataset(ray_local, tmp_path, alpaca
 
 
 def test_nested_index_from_merge_index_and_sample_locations(tmp_path, alpaca):
-    from streaming.base.util import merge_index
-
     samples = _samples(alpaca[:300])
-    mosaic_write(tmp_path / "root" / "a", samples[:120], "zstd", size_limit=1 << 14)
-    mosaic_write(tmp_path / "root" / "b", samples[120:], None, hashes=(), size_limit=1 << 14)
-    merge_index(str(tmp_path / "root"), keep_local=True)
+    mds_write(tmp_path / "root" / "a", samples[:120], "zstd", size_limit=1 << 14)
+    mds_write(tmp_path / "root" / "b", samples[120:], None, hashes=(), size_limit=1 << 14)
+    merge_index(tmp_path / "root")
     index = json.loads((tmp_path / "root" / "index.json").read_text())
     assert {s["raw_data"]["basename"].split("/")[0] for s in index["shards"]} == {"a", "b"}
 
@@ -150,9 +148,7 @@ def test_nested_index_from_merge_index_and_sample_locations(tmp_path, alpaca):
 # ----------------------------------------------------------------------------- datasink -> mosaic
 
 
-def test_datasink_rows_read_back_by_mosaic_streaming_dataset(ray_local, tmp_path, alpaca):
-    from streaming import StreamingDataset
-
+def test_datasink_rows_read_back_by_mosaic_streaming_dataset(ray_local, tmp_path, alpaca, mosaic_python):
     rows = [{"idx": i, "text": r["output"], "ids": list(range(i % 9 + 1)), "score": i / 7}
             for i, r in enumerate(alpaca)]
     schema = pa.schema([("idx", pa.int64()), ("text", pa.string()), ("ids", pa.list_(pa.int32())), ("score", pa.float64())])
@@ -167,11 +163,10 @@ def test_datasink_rows_read_back_by_mosaic_streaming_dataset(ray_local, tmp_path
         "idx": "int64", "ids": "ndarray:int32", "score": "float64", "text": "str"}
     assert index["shards"][0]["compression"] == "zstd" and len(index["shards"]) > 10
 
-    sd = StreamingDataset(local=str(out), shuffle=False, batch_size=1, validate_hash="sha1")
-    got = [sd[i] for i in range(sd.num_samples)]
-    back = sorted(({"idx": int(g["idx"]), "text": g["text"], "ids": g["ids"].tolist(), "score": float(g["score"])}
-                   for g in got), key=lambda r: r["idx"])
-    assert back == rows and all(g["ids"].dtype == np.int32 for g in got)
+    (got,) = mosaic_read(mosaic_python, [str(out)], validate_hash="sha1").values()
+    want = [plain_sample({"idx": np.int64(r["idx"]), "text": r["text"], "ids": np.array(r["ids"], np.int32),
+                          "score": np.float64(r["score"])}) for r in rows]
+    assert sorted(got, key=lambda g: g["idx"][2]) == want  # the parts hold the rows in another order
 
 
 # ----------------------------------------------------------------------------- pre-tokenized sets
@@ -191,7 +186,7 @@ def test_llm_foundry_concat_tokens_skip_the_tokenizer(tmp_path, gpt2, layout):
     chunks = _concat_chunks(gpt2, texts, 256)
     # ndarray: today's ConcatTokensDataset; bytes: the legacy layout (int64 ids, np.asarray(ids).tobytes()).
     value = (lambda c: c) if layout != "bytes" else (lambda c: c.astype(np.int64).tobytes())
-    root = mosaic_write(tmp_path / "concat", [{"tokens": value(c)} for c in chunks], "zstd",
+    root = mds_write(tmp_path / "concat", [{"tokens": value(c)} for c in chunks], "zstd",
                         size_limit=1 << 13, columns={"tokens": layout})
     cfg = make_config([{"path": str(root), "type": "completion"}], sequence_len=256, packing="none")
     starts = _global_index(cfg)
@@ -213,7 +208,7 @@ def test_pretokenized_sets_pack_inside_the_read_tasks(ray_local, tmp_path, gpt2,
     of uncompressed shards."""
     texts = [json.loads(line)["text"] for line in C4.read_text().splitlines()[:80]]
     chunks = _concat_chunks(gpt2, texts, 200)  # 200-token samples: concat packing makes 512-token rows
-    root = mosaic_write(tmp_path / "concat", [{"tokens": c} for c in chunks], "zstd", size_limit=1 << 13,
+    root = mds_write(tmp_path / "concat", [{"tokens": c} for c in chunks], "zstd", size_limit=1 << 13,
                         columns={"tokens": "ndarray:int32"})
     import ray
 
@@ -279,7 +274,7 @@ def test_id_columns_give_exactly_the_rows_and_counts_of_json_records(tmp_path, g
     import pipelines.stream.dataset as dataset_mod
 
     texts = [json.loads(line)["text"] for line in C4.read_text().splitlines()[:120]]
-    root = mosaic_write(tmp_path / "labelled", _labelled_samples(gpt2, texts), "zstd", size_limit=1 << 14,
+    root = mds_write(tmp_path / "labelled", _labelled_samples(gpt2, texts), "zstd", size_limit=1 << 14,
                         columns={"input_ids": "ndarray:int32", "labels": "ndarray:int32"})
     cfg = make_config([{"path": str(root)}], sequence_len=512, packing=packing, on_bad_record="skip",
                       pack_buffer_size=40)
@@ -321,7 +316,7 @@ def test_a_resumed_stream_reads_as_its_epoch_did(tmp_path, gpt2, monkeypatch):
     from pipelines.stream.units import ResumePoint, file_positions, ordered_files
 
     texts = [json.loads(line)["text"] for line in C4.read_text().splitlines()[:80]]
-    root = mosaic_write(tmp_path / "concat", [{"tokens": c} for c in _concat_chunks(gpt2, texts, 200)], "zstd",
+    root = mds_write(tmp_path / "concat", [{"tokens": c} for c in _concat_chunks(gpt2, texts, 200)], "zstd",
                         size_limit=1 << 14, columns={"tokens": "ndarray:int32"})
     monkeypatch.setattr(datasource_mod, "MAX_UNIT_BYTES", 8000)  # units cut by size: 8 JSON records or 5 id records
     for seed in range(50):  # a read order with the JSONL file early, so a resume can start past it
@@ -343,7 +338,7 @@ def test_a_resumed_stream_reads_as_its_epoch_did(tmp_path, gpt2, monkeypatch):
 
 def test_ids_that_are_not_token_ids_are_reported_by_the_id_reader(tmp_path):
     """Float ids or ids beyond int32 are not cast quietly: the sample is named, skipped and counted."""
-    root = mosaic_write(tmp_path / "odd", [{"input_ids": np.array([1.0, 2.5])}, {"input_ids": np.array([5, 2**40])},
+    root = mds_write(tmp_path / "odd", [{"input_ids": np.array([1.0, 2.5])}, {"input_ids": np.array([5, 2**40])},
                                            {"input_ids": np.array([7, 8])}], None,
                         columns={"input_ids": "ndarray"})
     cfg = make_config([{"path": str(root)}], sequence_len=64, on_bad_record="skip", packing="none")
@@ -360,7 +355,7 @@ def test_ids_that_are_not_token_ids_are_reported_by_the_id_reader(tmp_path):
 
 
 def test_token_ids_outside_the_vocabulary_are_refused(tmp_path):
-    root = mosaic_write(tmp_path / "bad", [{"input_ids": np.array([1, 2, 60000], np.int32)}], None,
+    root = mds_write(tmp_path / "bad", [{"input_ids": np.array([1, 2, 60000], np.int32)}], None,
                         columns={"input_ids": "ndarray:int32"})
     cfg = make_config([{"path": str(root)}], sequence_len=64)
     with pytest.raises(Exception, match=r"shard.00000.mds row 0: token id 60000 is outside the vocabulary"):
@@ -442,24 +437,19 @@ def test_convert_streams_into_parts_of_whole_shards_in_source_order(ray_local, t
     assert all(rows[p] >= floor for p in parts[:-1]), rows  # no part of a lone small block
     assert sum(rows.values()) == len(alpaca)
     # In the index order (part by part), the rows are the source records in order.
-    from streaming import StreamingDataset
-
-    sd = StreamingDataset(local=str(out), shuffle=False, batch_size=1)
-    ids = [int(sd[i]["source_sample_id"]) for i in range(sd.num_samples)]
+    ids = [s["source_sample_id"] for s in read_ours(out)]
     assert [split_sample_id(i)[1] for i in ids] == list(range(len(alpaca)))
 
 
-def test_convert_raw_keeps_columns_and_order(ray_local, tmp_path, alpaca, capsys):
-    from streaming import StreamingDataset
-
+def test_convert_raw_keeps_columns_and_order(ray_local, tmp_path, alpaca, capsys, mosaic_python):
     convert = load_ray_job("convert")
 
     out = tmp_path / "raw"
     assert convert.main(["--input", str(ALPACA), "--output", str(out), "--size-limit", "64kb", "--hashes", "sha1"]) == 0
     summary = _summary(capsys.readouterr().out)
     assert summary["columns"] == {"instruction": "str", "input": "str", "output": "str"}
-    sd = StreamingDataset(local=str(out), shuffle=False, batch_size=1, validate_hash="sha1")
-    assert [sd[i] for i in range(sd.num_samples)] == alpaca
+    (got,) = mosaic_read(mosaic_python, [str(out)], validate_hash="sha1").values()
+    assert got == [plain_sample(r) for r in alpaca]
 
     # A column the first records did not have: a clear error naming file and line, nothing half-written.
     jsonl = tmp_path / "mixed.jsonl"
@@ -475,7 +465,7 @@ def test_convert_raw_keeps_columns_and_order(ray_local, tmp_path, alpaca, capsys
 
 @pytest.fixture()
 def small_set(tmp_path, alpaca) -> Path:
-    return mosaic_write(tmp_path / "ds", _samples(alpaca[:200]), "zstd", hashes=("xxh64",), size_limit=1 << 14)
+    return mds_write(tmp_path / "ds", _samples(alpaca[:200]), "zstd", hashes=("xxh64",), size_limit=1 << 14)
 
 
 def _shard(root: Path, k: int = 1) -> str:

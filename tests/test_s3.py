@@ -16,10 +16,13 @@ import re
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from conftest import ALPACA, load_ray_job, make_config, needs_shared
 from conftest_s3 import FAKE_SECRET, FaultProxy, MotoServer, free_port
+from mds_sets import mds_write, plain_sample
+from mosaic_venv import mosaic_read
 
 from pipelines.config import StorageConfig
 from pipelines.mds.index import MDSError
@@ -36,17 +39,11 @@ ROW_KEYS = ("input_ids", "labels", "position_ids", "sample_ids")
 
 @pytest.fixture(scope="module")
 def corpus(moto_s3, tmp_path_factory) -> dict:
-    """ALPACA as MDS (mosaic's MDSWriter, zstd, dozens of shards) locally and on S3, and as one
+    """ALPACA as MDS (zstd, dozens of shards, as mosaic's MDSWriter writes them) locally and on S3, and as one
     JSONL file per shard on S3 (same names in the same order, so sample ids match file for file)."""
-    from streaming import MDSWriter
-
     records = json.loads(ALPACA.read_text())
     local = tmp_path_factory.mktemp("s3corpus")
-    mds = local / "mds"
-    with MDSWriter(out=str(mds), columns={"instruction": "str", "input": "str", "output": "str"},
-                   compression="zstd", hashes=["sha1", "xxh64"], size_limit=1 << 15) as w:
-        for r in records:
-            w.write(r)
+    mds = mds_write(local / "mds", records, {"instruction": "str", "input": "str", "output": "str"}, "zstd")
     shards = json.loads((mds / "index.json").read_text())["shards"]
     jsonl = local / "jsonl"
     jsonl.mkdir()
@@ -96,9 +93,8 @@ def test_jsonl_on_s3_mds_on_s3_and_mds_local_give_identical_rows(ray_local, corp
     assert from_jsonl_s3 == reference_rows  # one JSONL file per shard: the same units, ids and order
 
 
-def test_datasink_to_s3_read_by_mosaic_streaming_dataset(ray_local, moto_s3, corpus, tmp_path, monkeypatch):
-    from streaming import StreamingDataset
-
+def test_datasink_to_s3_read_by_mosaic_streaming_dataset(ray_local, moto_s3, corpus, tmp_path, monkeypatch,
+                                                         mosaic_python):
     rows = [{"idx": i, "text": r["output"], "ids": list(range(i % 9 + 1))} for i, r in enumerate(corpus["records"])]
     schema = pa.schema([("idx", pa.int64()), ("text", pa.string()), ("ids", pa.list_(pa.int32()))])
     ds = ray_local.data.from_arrow(pa.Table.from_pylist(rows, schema=schema)).repartition(2)
@@ -108,25 +104,23 @@ def test_datasink_to_s3_read_by_mosaic_streaming_dataset(ray_local, moto_s3, cor
     assert sink.written["rows"] == len(rows) and sink.written["parts"] == 2 and sink.written["shards"] > 10
 
     monkeypatch.setenv("S3_ENDPOINT_URL", moto_s3.endpoint)  # mosaic's boto3 client
-    sd = StreamingDataset(remote=url, local=str(tmp_path / "cache"), shuffle=False, batch_size=1, validate_hash="xxh64")
-    got = [sd[i] for i in range(sd.num_samples)]
-    back = sorted(({"idx": int(g["idx"]), "text": g["text"], "ids": g["ids"].tolist()} for g in got), key=lambda r: r["idx"])
-    assert back == rows
+    (got,) = mosaic_read(mosaic_python, [url], validate_hash="xxh64").values()
+    want = [plain_sample({"idx": np.int64(r["idx"]), "text": r["text"], "ids": np.array(r["ids"], np.int32)})
+            for r in rows]
+    assert sorted(got, key=lambda g: g["idx"][2]) == want
     # Writing again to the same place is refused rather than mixing two datasets.
     with pytest.raises(MDSError, match="already holds an MDS dataset"):
         sink.on_write_start()
 
 
-def test_convert_jsonl_on_s3_to_mds_on_s3(ray_local, moto_s3, corpus, tmp_path, monkeypatch, capsys):
-    from streaming import StreamingDataset
-
+def test_convert_jsonl_on_s3_to_mds_on_s3(ray_local, moto_s3, corpus, tmp_path, monkeypatch, capsys, mosaic_python):
     out = f"s3://{BUCKET}/converted"
     code = load_ray_job("convert").main(["--input", corpus["jsonl_s3"], "--output", out, "--endpoint-url",
                                    moto_s3.endpoint, "--size-limit", "64kb", "--write-tasks", "2"])
     assert code == 0, capsys.readouterr().err
     monkeypatch.setenv("S3_ENDPOINT_URL", moto_s3.endpoint)
-    sd = StreamingDataset(remote=out, local=str(tmp_path / "cache"), shuffle=False, batch_size=1)
-    assert [sd[i] for i in range(sd.num_samples)] == corpus["records"]  # same records, in file order
+    (got,) = mosaic_read(mosaic_python, [out]).values()
+    assert got == [plain_sample(r) for r in corpus["records"]]  # same records, in file order
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -10,7 +10,8 @@ its columns, compression and hashes; a *nested* index (what ``merge_index`` and
 
 Resolution (``format: mds``, or ``auto`` on a directory holding ``index.json``) reads the index and
 turns every shard into one source file (:func:`expand_mds`); reading them is :mod:`pipelines.mds.reader`,
-writing :mod:`pipelines.mds.writer`. Mosaic's own modules say which encodings, compressions and hashes exist.
+writing :mod:`pipelines.mds.writer`; the encodings, compressions and hashes are :mod:`pipelines.mds.encodings`'s
+and :mod:`pipelines.mds.compression`'s.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from pipelines.config import DatasetConfig
-from pipelines.mds import codec as mosaic
+from pipelines.mds import encodings
+from pipelines.mds.compression import compression_problem
 from pipelines.storage import StorageOptions, filesystem_for, with_retries
 
 INDEX = "index.json"
@@ -94,27 +96,22 @@ def shard_name(shard: dict[str, Any]) -> str:
 
 
 def check_shard_entry(shard: Any, label: str) -> None:
-    """The checks mosaic's reader would fail on later, made up front with a clear message."""
+    """The checks a shard's reader would fail on later, made up front with a clear message."""
     if not isinstance(shard, dict) or not isinstance(shard.get("raw_data"), dict):
         raise MDSError(f"{label}: not an MDS shard entry (no raw_data)")
     label = f"{label} ({shard_name(shard)})"
     if shard.get("format") != "mds":
         raise MDSError(f"{label}: shard format {shard.get('format')!r} is not supported (only 'mds')")
-    names, encodings = shard.get("column_names"), shard.get("column_encodings")
-    if not isinstance(names, list) or not isinstance(encodings, list) or len(names) != len(encodings):
+    names, column_encodings = shard.get("column_names"), shard.get("column_encodings")
+    if not isinstance(names, list) or not isinstance(column_encodings, list) or len(names) != len(column_encodings):
         raise MDSError(f"{label}: column_names and column_encodings are missing or differ in length")
-    for name, enc in zip(names, encodings, strict=True):
-        try:
-            known = mosaic.encodings.is_mds_encoding(enc)
-        except (KeyError, ValueError, TypeError):
-            known = False
-        if not known:
-            raise MDSError(f"{label}: column {name!r} has unknown MDS encoding {enc!r}")
-        if not mosaic.encodings.is_mds_encoding_safe(enc):
-            raise MDSError(f"{label}: column {name!r} uses the unsafe encoding {enc!r} (pickle runs code on load); "
-                           "re-write the dataset with a safe encoding")
-    if shard.get("compression") and not mosaic.compression.is_compression(shard["compression"]):
-        raise MDSError(f"{label}: unknown compression {shard['compression']!r}")
+    for name, enc in zip(names, column_encodings, strict=True):
+        problem = encodings.encoding_problem(enc)
+        if problem:
+            raise MDSError(f"{label}: column {name!r} {problem}")
+    problem = shard.get("compression") and compression_problem(shard["compression"])
+    if problem:
+        raise MDSError(f"{label}: {problem}")
     if shard.get("compression") and not shard.get("zip_data"):
         raise MDSError(f"{label}: compression {shard['compression']!r} but no zip_data entry")
     if not isinstance(shard.get("samples"), int) or shard["samples"] < 0:

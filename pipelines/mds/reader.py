@@ -1,7 +1,7 @@
 """Reading MDS shards (``format: mds``): fetched whole, checked, decoded in memory, streamed as records.
 
 A read task fetches each shard (retried, size- and hash-checked against ``index.json``), decompresses
-and decodes it with mosaic's own code and streams the samples on as JSON records; nothing touches
+and decodes it (:mod:`pipelines.mds.encodings`) and streams the samples on as JSON records; nothing touches
 local disk. Sample ids are ``(shard's source index << 40) | sample index in the shard``, stable while
 the index is unchanged. Column values become JSON: numpy arrays become lists, numpy scalars numbers,
 ``bytes`` UTF-8 text.
@@ -27,7 +27,8 @@ import numpy as np
 import pyarrow.fs as pafs
 
 from pipelines.config import ModelConfig
-from pipelines.mds import codec as mosaic
+from pipelines.mds import encodings
+from pipelines.mds.compression import decompress, get_hash, is_hash
 from pipelines.mds.index import (
     HASH_PREFERENCE,
     TOKEN_COLUMNS,
@@ -48,10 +49,10 @@ log = logging.getLogger(__name__)
 def _verify_hash(data: bytes, info: dict[str, Any], label: str) -> None:
     """Check one listed hash (the fastest known one) of the bytes as fetched."""
     hashes = info.get("hashes") or {}
-    algo = next((a for a in HASH_PREFERENCE if a in hashes), None) or next((a for a in sorted(hashes) if mosaic.hashing.is_hash(a)), None)
+    algo = next((a for a in HASH_PREFERENCE if a in hashes), None) or next((a for a in sorted(hashes) if is_hash(a)), None)
     if algo is None:
         return
-    got = mosaic.hashing.get_hash(algo, data)
+    got = get_hash(algo, data)
     if got != hashes[algo]:
         raise MDSError(f"{label}: {algo} hash mismatch (index.json says {hashes[algo]}, the file hashes to {got}); "
                        "the shard is corrupt or was replaced")
@@ -84,7 +85,7 @@ def fetch_shard(fs: pafs.FileSystem, file: SourceFile) -> bytes:
     _verify_hash(data, info, label)
     if zip_info:
         try:
-            data = mosaic.compression.decompress(shard["compression"], data)
+            data = decompress(shard["compression"], data)
         except Exception as err:  # zstd/gzip/... each raise their own error types
             raise MDSError(f"{label}: cannot decompress ({shard['compression']}): {err}") from None
     if len(data) != raw_info.get("bytes", len(data)):
@@ -93,10 +94,16 @@ def fetch_shard(fs: pafs.FileSystem, file: SourceFile) -> bytes:
 
 
 class MemoryShard:
-    """An MDS shard held in memory, decoded sample by sample as mosaic's ``MDSReader.decode_sample``
-    does (layout: sample count, n+1 offsets, config, samples; a sample is the uint32 sizes of its
-    variable-size columns, then each column's bytes in column order), with mosaic's ``mds_decode``.
-    Not ``MDSReader`` itself: importing it imports torch (see :mod:`pipelines.mds.codec`)."""
+    """An MDS shard held in memory, decoded sample by sample.
+
+    Layout (all integers little-endian uint32)::
+
+        [n: samples][n + 1 offsets of the samples from the start of the file][JSON config][samples]
+        sample = [size of each variable-size column][each column's encoded bytes, in column order]
+
+    Fixed-size columns (``column_sizes``) carry no size. Example: columns ``text: str`` and ``n: int``,
+    sample ``{"text": "hi", "n": 7}`` -> ``02000000 6869 0700000000000000``.
+    """
 
     def __init__(self, raw: bytes, offsets: np.ndarray, names: list[str], encodings: list[str],
                  sizes: list[int | None]) -> None:
@@ -116,11 +123,11 @@ class MemoryShard:
         if offsets[-1] != len(raw) or (np.diff(offsets) < 0).any():
             raise MDSError(f"{label}: corrupt sample offsets (ends at {offsets[-1]}, shard has {len(raw)} bytes)")
         names, encs = shard["column_names"], shard["column_encodings"]
-        sizes = shard.get("column_sizes") or [mosaic.encodings.get_mds_encoded_size(e) for e in encs]
+        sizes = shard.get("column_sizes") or [encodings.encoded_size(e) for e in encs]
         return cls(raw, offsets, names, encs, sizes)
 
     def get_item(self, idx: int, only: tuple[str, ...] | None = None) -> dict[str, Any]:
-        """Sample ``idx`` as mosaic decodes it, e.g. ``{"text": "...", "tokens": array([...])}``;
+        """Sample ``idx`` decoded, e.g. ``{"text": "...", "tokens": array([...])}``;
         with ``only``, just those columns (the others are skipped, not decoded)."""
         data = self.raw[self.offsets[idx] : self.offsets[idx + 1]]
         pos, sizes = 0, []
@@ -134,7 +141,7 @@ class MemoryShard:
             if pos + size > len(data):
                 raise ValueError(f"column {name!r} runs past the end of the sample ({pos + size} > {len(data)} bytes)")
             if only is None or name in only:
-                sample[name] = mosaic.encodings.mds_decode(enc, data[pos : pos + size])
+                sample[name] = encodings.decode(enc, data[pos : pos + size])
             pos += size
         return sample
 
@@ -200,7 +207,7 @@ def read_mds(fs: pafs.FileSystem, file: SourceFile, bad: Callable[[str, str], No
                 if isinstance(rec.get(col), np.ndarray) and rec[col].dtype.kind in "iu" and rec[col].ndim == 1:
                     rec[col] = pack_array(rec[col])
             text = json.dumps(rec, ensure_ascii=False, default=_jsonable)
-        except Exception as err:  # a value mosaic cannot decode, or one with no JSON form
+        except Exception as err:  # a value that does not decode, or one with no JSON form
             bad(f"{label} row {row}", f"cannot decode the sample: {err}")
             continue
         yield row, text, -1, -1
@@ -220,7 +227,7 @@ def read_mds_ids(fs: pafs.FileSystem, file: SourceFile, bad: Callable[[str, str]
             rec = sample_to_record(reader.get_item(row, only=TOKEN_COLUMNS))
             ids = as_token_ids(rec["input_ids"], "input_ids")
             labels = as_token_ids(rec["labels"], "labels") if rec.get("labels") is not None else ids
-        except Exception as err:  # a value mosaic cannot decode, or ids that are not ids
+        except Exception as err:  # a value that does not decode, or ids that are not ids
             bad(f"{label} row {row}", f"cannot decode the sample: {err}")
             continue
         yield row, TokenRecord(ids, labels), -1, -1

@@ -1,6 +1,6 @@
 """Writing a Ray Dataset as MosaicML MDS: :class:`MDSDatasink` (used by ``ray_jobs/convert.py``).
 
-Each write task writes one ``part-NNNNN/`` sub-directory of shards (mosaic's ``MDSWriter``), then
+Each write task writes one ``part-NNNNN/`` sub-directory of shards (laid out as mosaic's ``MDSWriter`` does), then
 ``on_write_complete`` writes one merged ``index.json``, which mosaic's ``StreamingDataset`` reads.
 """
 
@@ -20,7 +20,8 @@ from ray.data.block import Block, BlockAccessor
 from ray.data.datasource import Datasink
 from ray.data.datasource.datasink import WriteResult
 
-from pipelines.mds import codec as mosaic
+from pipelines.mds import encodings
+from pipelines.mds.compression import compress, compression_problem, extension, get_hash, is_hash
 from pipelines.mds.index import INDEX, MDSError
 from pipelines.storage import StorageError, StorageOptions, filesystem_for, is_remote, with_retries
 from pipelines.stream.units import explode_units
@@ -157,11 +158,15 @@ def parse_size(value: int | str) -> int:
     return int(text.rstrip("b"))
 
 
-class _PartWriter:
+class ShardWriter:
     """Writes one directory of MDS shards exactly as mosaic's ``MDSWriter`` lays them out (file names,
-    shard bytes, index entries), using mosaic's encodings, compression and hashes; each finished file
-    is handed to ``on_file`` (upload, then delete locally). ``MDSWriter`` itself is not used because
-    importing it imports torch (~4.5 s per write worker, see :mod:`pipelines.mds.codec`).
+    shard bytes, index entries; tests/test_mds_codec.py compares the bytes with shards mosaic wrote); each
+    finished file is handed to ``on_file`` (upload, then delete locally). Used as mosaic's writer is::
+
+        with ShardWriter(out="/data/mds", columns={"text": "str", "ids": "ndarray:int32"}, compression="zstd") as w:
+            w.write({"text": "hello", "ids": np.array([15496], np.int32)})
+
+    The defaults are ``MDSWriter``'s: no compression, no hashes, 64 MiB shards.
 
     Shard bytes: ``uint32 n``, ``n + 1`` uint32 offsets, the JSON config, then the samples; a sample
     is the uint32 sizes of its variable-size columns followed by each column's encoded bytes.
@@ -169,16 +174,17 @@ class _PartWriter:
 
     EXTRA_BYTES_PER_SAMPLE = 4  # its offset
 
-    def __init__(self, *, out: str, columns: dict[str, str], compression: str | None, hashes: list[str],
-                 size_limit: int | str | None, on_file: Callable[[str], None] | None = None) -> None:
-        enc = mosaic.encodings
+    def __init__(self, *, out: str, columns: dict[str, str], compression: str | None = None,
+                 hashes: Iterable[str] = (), size_limit: int | str | None = 1 << 26, on_file: Callable[[str], None] | None = None) -> None:
         for name, encoding in columns.items():
-            if not enc.is_mds_encoding(encoding):
-                raise MDSError(f"MDS datasink: column {name!r} has unknown MDS encoding {encoding!r}")
-        if compression and not mosaic.compression.is_compression(compression):
-            raise MDSError(f"MDS datasink: unknown compression {compression!r}")
+            problem = encodings.encoding_problem(encoding)
+            if problem:
+                raise MDSError(f"MDS datasink: column {name!r} {problem}")
+        problem = compression and compression_problem(compression)
+        if problem:
+            raise MDSError(f"MDS datasink: {problem}")
         for algo in hashes:
-            if not mosaic.hashing.is_hash(algo):
+            if not is_hash(algo):
                 raise MDSError(f"MDS datasink: unknown hash {algo!r}")
         limit = parse_size(size_limit) if size_limit else None
         if limit is not None and not 0 < limit < 2**32:
@@ -186,7 +192,7 @@ class _PartWriter:
         self.out, self.on_file = out, on_file
         self.names = sorted(columns)
         self.encodings = [columns[n] for n in self.names]
-        self.sizes = [enc.get_mds_encoded_size(e) for e in self.encodings]
+        self.sizes = [encodings.encoded_size(e) for e in self.encodings]
         self.compression, self.hashes, self.size_limit = compression or None, sorted(hashes), limit
         self.config = {"version": 2, "format": "mds", "compression": self.compression, "hashes": self.hashes,
                        "size_limit": limit, "column_names": self.names, "column_encodings": self.encodings,
@@ -200,7 +206,7 @@ class _PartWriter:
     def encode_sample(self, sample: dict[str, Any]) -> bytes:
         head, body = [], []
         for name, encoding, size in zip(self.names, self.encodings, self.sizes, strict=True):
-            datum = mosaic.encodings.mds_encode(encoding, sample[name])
+            datum = encodings.encode(encoding, sample[name])
             if size is None:
                 head.append(len(datum))
             elif size != len(datum):
@@ -217,7 +223,7 @@ class _PartWriter:
         self._size += size
 
     def _file(self, data: bytes, basename: str) -> dict[str, Any]:
-        hashes = {algo: mosaic.hashing.get_hash(algo, data) for algo in self.hashes}
+        hashes = {algo: get_hash(algo, data) for algo in self.hashes}
         return {"basename": basename, "bytes": len(data), "hashes": hashes}
 
     def flush_shard(self) -> None:
@@ -228,8 +234,8 @@ class _PartWriter:
         raw_name = f"shard.{len(self.shards):05}.mds"
         raw_info, zip_info, data, name = self._file(raw, raw_name), None, raw, raw_name
         if self.compression:
-            name = f"{raw_name}.{mosaic.compression.get_compression_extension(self.compression)}"
-            data = mosaic.compression.compress(self.compression, raw)
+            name = f"{raw_name}.{extension(self.compression)}"
+            data = compress(self.compression, raw)
             zip_info = self._file(data, name)
         with open(os.path.join(self.out, name), "wb") as f:
             f.write(data)
@@ -237,6 +243,13 @@ class _PartWriter:
         self._samples, self._size = [], 8 + len(self.config_data)
         if self.on_file is not None:
             self.on_file(name)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        if exc_type is None:
+            self.finish()
 
     def finish(self) -> None:
         """Flush the last shard and write this directory's ``index.json`` (as ``MDSWriter`` does)."""
@@ -249,7 +262,7 @@ class _PartWriter:
 class MDSDatasink(Datasink[dict]):
     """Write a Ray Dataset as MDS: ``ds.write_datasink(MDSDatasink("s3://b/out", columns))``.
 
-    Each write task writes ``part-<task>/shard.NNNNN.mds[.zstd]`` with mosaic's ``MDSWriter`` (remote
+    Each write task writes ``part-<task>/shard.NNNNN.mds[.zstd]`` (remote
     destinations: through a local temporary directory holding one shard at a time, uploaded with
     pyarrow and the retries of :mod:`pipelines.storage`); ``on_write_complete`` writes ``extra_files``
     and then the merged ``index.json`` (last, so a dataset without it is visibly incomplete).
@@ -303,20 +316,13 @@ class MDSDatasink(Datasink[dict]):
 
     def on_write_complete(self, write_result: WriteResult[dict]) -> None:
         returns = sorted((r for r in write_result.write_returns if r), key=lambda r: r["task"])
-        shards = []
-        for r in returns:
-            for shard in r["shards"]:
-                shard = json.loads(json.dumps(shard))  # a deep copy
-                for key in ("raw_data", "zip_data"):
-                    if shard.get(key):
-                        shard[key]["basename"] = f"{r['part']}/{shard[key]['basename']}"
-                shards.append(shard)
+        index = nested_index([(r["part"], r["shards"]) for r in returns])
         fs, root = filesystem_for(self.path, self.storage)
         for name, data in self.extra_files.items():
             _put(fs, f"{root}/{name}", data, f"{self.path}/{name}", self.storage)
-        index = json.dumps({"version": 2, "shards": shards}, sort_keys=True).encode("utf-8")
-        _put(fs, f"{root}/{INDEX}", index, f"{self.path}/{INDEX}", self.storage)
-        self.written = {"rows": sum(r["rows"] for r in returns), "shards": len(shards), "parts": len(returns)}
+        _put(fs, f"{root}/{INDEX}", json.dumps(index, sort_keys=True).encode("utf-8"), f"{self.path}/{INDEX}",
+             self.storage)
+        self.written = {"rows": sum(r["rows"] for r in returns), "shards": len(index["shards"]), "parts": len(returns)}
 
     # -- one write task ---------------------------------------------------------------------
     def write(self, blocks: Iterable[Block], ctx: Any) -> dict:
@@ -334,7 +340,7 @@ class MDSDatasink(Datasink[dict]):
             _put(fs, f"{root}/{part}/{basename}", data, f"{self.path}/{part}/{basename}", self.storage)
             os.remove(src)
 
-        writer: _PartWriter | None = None
+        writer: ShardWriter | None = None
         rows = 0
         try:
             for block in blocks:
@@ -350,7 +356,7 @@ class MDSDatasink(Datasink[dict]):
                     columns = self.columns or {f.name: encoding_for(f.type) for f in table.schema}
                     samples = _arrow_rows(table, columns)
                 if writer is None:
-                    writer = _PartWriter(on_file=upload if remote else None, out=local, columns=columns,
+                    writer = ShardWriter(on_file=upload if remote else None, out=local, columns=columns,
                                          compression=self.compression, hashes=self.hashes,
                                          size_limit=self.size_limit)
                 for sample in samples:
@@ -365,6 +371,21 @@ class MDSDatasink(Datasink[dict]):
         finally:
             if remote:
                 shutil.rmtree(local, ignore_errors=True)
+
+
+def nested_index(parts: Iterable[tuple[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """One index over sub-directories' shards, each basename prefixed with its directory (what mosaic's
+    ``merge_index`` writes). Example: ``[("part-00000", [{"raw_data": {"basename": "shard.00000.mds"}, ...}])]``
+    -> ``{"version": 2, "shards": [{"raw_data": {"basename": "part-00000/shard.00000.mds"}, ...}]}``."""
+    shards = []
+    for sub, entries in parts:
+        for shard in entries:
+            shard = json.loads(json.dumps(shard))  # a deep copy
+            for key in ("raw_data", "zip_data"):
+                if shard.get(key):
+                    shard[key]["basename"] = f"{sub}/{shard[key]['basename']}"
+            shards.append(shard)
+    return {"version": 2, "shards": shards}
 
 
 def _put(fs: pafs.FileSystem, path: str, data: bytes, url: str, opts: StorageOptions) -> None:
