@@ -11,7 +11,7 @@ import pyarrow.fs as pafs
 
 from pipelines.config import DatasetConfig
 from pipelines.mds.reader import open_shard
-from pipelines.mds.writer import _PartWriter, nested_index
+from pipelines.mds.writer import ShardWriter, nested_index
 from pipelines.sources.listing import SourceFile, resolve_dataset
 from pipelines.storage import StorageOptions
 
@@ -25,7 +25,7 @@ __all__ = ["FIXTURES", "merge_index", "mds_write", "plain_sample", "read_ours", 
 
 def mds_write(out: Path, samples: list[dict], columns: dict[str, str], compression: str | None = None,
               hashes=("sha1", "xxh64"), size_limit: int | None = 1 << 15) -> Path:
-    w = _PartWriter(out=str(out), columns=columns, compression=compression, hashes=list(hashes), size_limit=size_limit)
+    w = ShardWriter(out=str(out), columns=columns, compression=compression, hashes=list(hashes), size_limit=size_limit)
     for s in samples:
         w.write(s)
     w.finish()
