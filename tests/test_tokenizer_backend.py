@@ -156,3 +156,20 @@ def test_tokenizer_pool_has_no_runtime_env(ray_local, tmp_path):
     assert "runtime_env" not in maps[0].ray_remote_args
     assert maps[0].fn_constructor_kwargs["env"] == tokenizer_env(2) == {
         "RAYON_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "true", "USE_TORCH": "0"}
+
+
+@needs_shared
+def test_the_tokenizer_encodes_as_its_tokenizer_json_says_whatever_class_it_declares():
+    """SmolLM2 declares ``GPT2Tokenizer``; transformers 5's ``AutoTokenizer`` rebuilds that class and drops the
+    file's ``Digits`` pre-tokenizer (huggingface/transformers#45701). The model was trained with the file's
+    pipeline, so that is what every stage, the training workers and the export get."""
+    from tokenizers import Tokenizer as RustTokenizer
+
+    model = ModelConfig.model_validate({"tokenizer": str(SMOLLM2), "init": {}})
+    hf = load_tokenizer(model)
+    text = "Give three tips.\n\n1. Eat 2024 apples<|im_end|>"
+    from_file = RustTokenizer.from_file(str(SMOLLM2 / "tokenizer.json")).encode(text).ids
+    assert hf(text)["input_ids"] == from_file
+    assert hf("\n\n1.")["input_ids"] == [1116, 33, 30]  # "\n\n" then one digit per token
+    assert (hf.eos_token, hf.pad_token, hf.bos_token) == ("<|im_end|>", "<|im_end|>", "<|im_start|>")
+    assert hf.chat_template.startswith("{% for message in messages %}")

@@ -42,12 +42,30 @@ def resolve_tokenizer_path(model: ModelConfig) -> str:
 
 
 def load_tokenizer(model: ModelConfig) -> PreTrainedTokenizerBase:
-    """The configured Hugging Face tokenizer (local directory or cached id), with a pad token."""
-    from transformers import AutoTokenizer
+    """The configured Hugging Face tokenizer (local directory or cached id), with a pad token.
 
+    Where ``tokenizer.json`` alone describes the tokenizer exactly (:func:`loads_without_transformers`), it
+    is loaded as it is, as a ``PreTrainedTokenizerFast`` (transformers 5's ``TokenizersBackend``) with the
+    special tokens and chat template of ``tokenizer_config.json``. ``AutoTokenizer`` in transformers 5
+    instead rebuilds a tokenizer from its declared class, and for some classes that changes the encoding:
+    SmolLM2 declares ``GPT2Tokenizer``, whose rebuild drops the file's ``Digits`` pre-tokenizer and its
+    added tokens, so ``"\n\n1."`` becomes ``[198, 198, 33, 30]`` instead of the ``[1116, 33, 30]`` the model
+    was trained on (huggingface/transformers#45701; allenai/open-instruct#1896 saw the same with Dolma 2).
+    Loading the file also keeps torch out of the tokenizer processes (``AutoTokenizer`` imports it: ~2 s).
+    Everything else (remote code, a Hub id, a config key transformers applies to the Rust tokenizer) goes
+    through ``AutoTokenizer``.
+    """
+    path = resolve_tokenizer_path(model)
     if model.trust_remote_code:
         logger.warning("model.trust_remote_code is on: code shipped with %s will run", model.tokenizer_path)
-    tok = AutoTokenizer.from_pretrained(resolve_tokenizer_path(model), trust_remote_code=model.trust_remote_code)
+    if loads_without_transformers(model):
+        from transformers import PreTrainedTokenizerFast
+
+        tok = PreTrainedTokenizerFast.from_pretrained(path)
+    else:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=model.trust_remote_code)
     if tok.pad_token_id is None and tok.eos_token is not None:  # e.g. Llama/GPT-2 tokenizers
         tok.pad_token = tok.eos_token
     return tok
