@@ -390,6 +390,25 @@ class ScalingConfig(_Strict):
     )
 
 
+class WandbConfig(_Strict):
+    """Weights & Biases (run.loggers: [wandb]); the API key comes from WANDB_API_KEY or `wandb login`, never from here."""
+
+    project: str = Field("pipelines", min_length=1, description="W&B project.")
+    entity: str | None = Field(None, description="W&B entity (team or user); None: WANDB_ENTITY or your default.")
+    group: str | None = Field(None, description="W&B run group.")
+    tags: list[str] = Field(default_factory=list, description="W&B run tags.")
+    mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="None: WANDB_MODE, else online. offline writes the run under <run dir>/wandb (wandb sync).")
+
+
+class MlflowConfig(_Strict):
+    """MLflow (run.loggers: [mlflow]); credentials come from MLFLOW_TRACKING_TOKEN/_USERNAME/_PASSWORD, never from here."""
+
+    tracking_uri: str | None = Field(
+        None, description="None: MLFLOW_TRACKING_URI, else MLflow's default. A file: URI uses MLflow's file store.")
+    experiment: str = Field("pipelines", min_length=1, description="MLflow experiment (created if missing).")
+
+
 class RunConfig(_Strict):
     """Where a run writes and how it restarts."""
 
@@ -408,12 +427,28 @@ class RunConfig(_Strict):
         "worker to Ray's per-report 'Reporting training result ... TrainingReport(...)' lines (INFO, every rank); "
         "INFO or DEBUG to see them."
     )
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["tensorboard"], description="Experiment trackers rank 0 logs every metrics.jsonl "
+        "record to (scalars <kind>/<key>) and the run config to: tensorboard (<run dir>/tensorboard), wandb "
+        "(pip install 'pipelines[wandb]'), mlflow (pip install 'pipelines[mlflow]'). One that fails warns once "
+        "and is off for the rest of the run; training goes on.")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases settings.")
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="MLflow settings.")
     on_data_change: Literal["fail", "restart", "continue"] = Field(
         "fail", description="Resuming after the row stream changed (data, tokenizer, sequence_len, packing, seed, "
         "mixing): fail names the change before training; restart keeps the weights and restarts the data at the "
         "start of the current epoch; continue, for datasets added, removed or reweighted (mix_by tokens or "
         "samples), keeps every unchanged source's exactly-once position, starts a new one at its beginning and "
         "applies the new weights from the resume step. Restarts and changes are logged and marked in the ledger.")
+
+
+    @field_validator("loggers")
+    @classmethod
+    def _loggers_once(cls, v: list[str]) -> list[str]:
+        twice = sorted({x for x in v if v.count(x) > 1})
+        if twice:
+            raise ValueError(f"names {twice} more than once")
+        return v
 
 
 class StorageConfig(_Strict):

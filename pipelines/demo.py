@@ -17,11 +17,13 @@ character-level tokenizer (``"cat" -> ["c", "a", "t"]``), decoding is lossless f
 ``return_offsets_mapping`` gives character offsets. 256 byte tokens + 4 special tokens = 260 ids,
 which keeps the demo model's embedding tiny.
 
-The SFT data mixes three tasks a tiny model can visibly learn in a few minutes on 2 CPU cores:
-capitals of 24 countries and opposites of 24 words (small lookup tables: learnt within ~100-200
-steps, the greedy answers become right) and uppercasing two pseudo-words (``"tomi laku" ->
-"TOMI LAKU"``: copying needs a sharp attention pattern, which a tiny model finds later, if at all in
-the default run). Loss starts at ~ln(260) = 5.6 and falls to ~1 or below.
+The SFT data mixes two tasks a tiny model visibly learns in a few minutes on 2 CPU cores: capitals of
+16 countries and opposites of 16 words. In the default run (300 steps) the training loss falls from
+~ln(260) = 5.6 to ~0.01 and every one of the 32 answers comes out right under greedy decoding
+(BENCHMARKS.md, "Embedded default"). Each record is one short answer under the long Alpaca prompt, so
+a step of 16 rows of 256 tokens holds ~16 answers: the tables are kept small enough to be seen ~150
+times each in that budget. (Until demo-v4 the tables held 24 entries each plus an uppercasing task; the
+model then got 16 of 48 answers right after 300 steps.)
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 DEMO_SCHEME = "demo://"
-DEMO_VERSION = "demo-v3"  # bump when the generated content changes, so caches regenerate
+DEMO_VERSION = "demo-v4"  # bump when the generated content changes, so caches regenerate
 
 PAD, BOS, EOS, IM_START = "<|pad|>", "<|endoftext|>", "<|im_end|>", "<|im_start|>"
 SPECIAL_TOKENS = [PAD, BOS, IM_START, EOS]
@@ -134,24 +136,13 @@ _CAPITALS = {
     "France": "Paris", "Japan": "Tokyo", "Italy": "Rome", "Spain": "Madrid", "Egypt": "Cairo",
     "Peru": "Lima", "Kenya": "Nairobi", "Canada": "Ottawa", "Norway": "Oslo", "Chile": "Santiago",
     "Greece": "Athens", "Cuba": "Havana", "Poland": "Warsaw", "Ireland": "Dublin", "Austria": "Vienna",
-    "Portugal": "Lisbon", "Germany": "Berlin", "Russia": "Moscow", "China": "Beijing", "India": "New Delhi",
-    "Mexico": "Mexico City", "Brazil": "Brasilia", "Turkey": "Ankara", "Sweden": "Stockholm",
+    "Portugal": "Lisbon",
 }
 _OPPOSITES = {
     "hot": "cold", "big": "small", "fast": "slow", "up": "down", "day": "night", "happy": "sad",
     "open": "closed", "light": "dark", "early": "late", "full": "empty", "old": "new", "hard": "soft",
-    "high": "low", "wet": "dry", "loud": "quiet", "rich": "poor", "strong": "weak", "near": "far",
-    "thick": "thin", "clean": "dirty", "sweet": "sour", "first": "last", "win": "lose", "push": "pull",
+    "high": "low", "wet": "dry", "loud": "quiet", "rich": "poor",
 }
-_ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z"]
-_VOWELS = ["a", "e", "i", "o", "u"]
-
-
-def _word(rng: random.Random) -> str:
-    """A pronounceable 4-letter pseudo-word, e.g. 'tomi', 'laku'."""
-    return "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) for _ in range(2))
-
-
 def _capital(rng: random.Random) -> dict[str, str]:
     country = rng.choice(sorted(_CAPITALS))
     return {"instruction": "Name the capital of the country.", "input": country, "output": _CAPITALS[country]}
@@ -162,19 +153,13 @@ def _opposite(rng: random.Random) -> dict[str, str]:
     return {"instruction": "Give the opposite of the word.", "input": word, "output": _OPPOSITES[word]}
 
 
-def _uppercase(rng: random.Random) -> dict[str, str]:
-    text = " ".join(_word(rng) for _ in range(2))
-    return {"instruction": "Uppercase the text.", "input": text, "output": text.upper()}
-
-
-_TASKS: list[Callable[[random.Random], dict[str, str]]] = [_capital, _opposite, _uppercase]
+_TASKS: list[Callable[[random.Random], dict[str, str]]] = [_capital, _opposite]
 
 
 def demo_sft_records(n: int = SFT_RECORDS, seed: int = 0) -> list[dict[str, str]]:
-    """Alpaca-format records of three tasks, e.g.
-    ``{"instruction": "Name the capital of the country.", "input": "Peru", "output": "Lima"}``,
-    ``{"instruction": "Give the opposite of the word.", "input": "hot", "output": "cold"}`` and
-    ``{"instruction": "Uppercase the text.", "input": "tomi laku", "output": "TOMI LAKU"}``."""
+    """Alpaca-format records of the two tasks, e.g.
+    ``{"instruction": "Name the capital of the country.", "input": "Peru", "output": "Lima"}`` and
+    ``{"instruction": "Give the opposite of the word.", "input": "hot", "output": "cold"}``."""
     rng = random.Random(seed)
     return [rng.choice(_TASKS)(rng) for _ in range(n)]
 

@@ -33,12 +33,13 @@ def keep_on_loopback() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
-def init_local(**kwargs: Any) -> None:
-    """``ray.init(**kwargs)`` starting a new local instance on 127.0.0.1 (never joins another one)."""
+def init_local(**kwargs: Any) -> Any:
+    """``ray.init(**kwargs)`` starting a new local instance on 127.0.0.1 (never joins another one); returns
+    ``ray.init``'s context (``.dashboard_url``)."""
     import ray
 
     keep_on_loopback()
-    ray.init(address="local", _node_ip_address=LOOPBACK, **kwargs)
+    return ray.init(address="local", _node_ip_address=LOOPBACK, **kwargs)
 
 
 def node_addresses() -> list[str]:

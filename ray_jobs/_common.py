@@ -55,10 +55,16 @@ def init_ray() -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init()
         return
-    # Local instance: its worker processes need to import `pipelines` from this checkout.
+    from pipelines.console import LOCAL_ENV, SETUP_HOOK, quiet_driver
+
+    # Local instance: its worker processes need to import `pipelines` from this checkout; they print only what
+    # a user can act on (pipelines.console).
+    quiet_driver()
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    init_local(runtime_env={"env_vars": {"PYTHONPATH": path}})
-    print(f"ray: local instance on {', '.join(node_addresses())} (set RAY_ADDRESS to join a cluster)")
+    ctx = init_local(runtime_env={"env_vars": {"PYTHONPATH": path, **LOCAL_ENV}, "worker_process_setup_hook": SETUP_HOOK})
+    dashboard = f"dashboard http://{ctx.dashboard_url}, " if ctx.dashboard_url else ""
+    auth = "token authentication off" if os.environ.get("RAY_AUTH_MODE") == "disabled" else "token authentication on"
+    print(f"ray: local instance on {', '.join(node_addresses())} ({dashboard}{auth}; set RAY_ADDRESS to join a cluster)")
 
 
 def main(argv: list[str] | None, default_config: Path, description: str) -> int:
@@ -135,8 +141,10 @@ def _is_local_demo(cfg: Config, model_dir: str) -> bool:
 
 def _show_demo_answers(model_dir: str) -> None:
     """For the embedded demo (alpaca on demo://sft, local run dir): a few greedy answers of the model."""
+    from pipelines.console import quiet_progress_bars
     from pipelines.demo import demo_generations
 
+    quiet_progress_bars()  # transformers 5's "Loading weights" bar
     answers = demo_generations(model_dir)
     right = sum(got == expected for _, expected, got in answers)
     print(f"demo answers (greedy decoding, {right}/{len(answers)} right):")

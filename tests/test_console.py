@@ -87,7 +87,7 @@ def test_worker_console_setup_reaches_ray_trains_report_logger():
 
     from ray.train.v2._internal.execution import context as train_context
 
-    from pipelines.train.metrics import setup_worker_console
+    from pipelines.console import setup_worker_console
 
     logger = train_context.logger
     before = logger.level
@@ -124,6 +124,17 @@ def check_console(out: str, run: Path) -> None:
     assert "Reporting training result" not in out  # Ray Train's per-report dump from every rank
     assert "row/s]" not in out  # no Ray Data progress bars (run.progress_bars defaults to false)
     assert "Starting execution of Dataset" not in out and "Execution plan of Dataset" not in out  # nor its plan lines
+    # Lines of other libraries a user cannot act on (pipelines/console.py), each seen in this console before:
+    for noise in ("Progress bars disabled",  # Ray Data, once per process
+                  " execution finished in ",  # Ray Data, per finished stream (the eval split's)
+                  " built successfully",  # DeepSpeed's CPU communication op, every rank
+                  "No CUDA runtime is found",  # torch, when DeepSpeed loads its CPU ops
+                  "PreemptionWatcher",  # Ray Train's watcher's core_worker.cc line (a local instance has no drains)
+                  "Writing model shards", "Loading weights",  # transformers 5's progress bars (export, demo answers)
+                  "Started a local Ray instance", "Token authentication is enabled"):  # Ray's start-up, ours instead
+        assert noise not in out, (noise, [line for line in out.splitlines() if noise in line][:3])
+    assert re.search(r"^ray: local instance on 127\.0\.0\.1 \((dashboard http://127\.0\.0\.1:\d+, )?token authentication on; "
+                     r"set RAY_ADDRESS to join a cluster\)$", out, re.M), out[:2000]
 
     for phase in ("config:", "cluster up:", "workers up:", "engine ready:", "first batch:", "first step:"):
         assert re.search(rf"\[\s*\d+\.\ds\] {phase}", out), phase

@@ -33,10 +33,10 @@ def test_files_are_generated_once_and_deterministic(cache):
     assert set(records[0]) == {"instruction", "input", "output"}
     assert records == demo.demo_sft_records()  # same content every time, on every node
     by_task = {r["instruction"]: r for r in records}
-    assert len(by_task) == 3
-    r = by_task["Uppercase the text."]
-    assert r["output"] == r["input"].upper() and len(r["input"]) == 9
+    assert set(by_task) == {"Name the capital of the country.", "Give the opposite of the word."}
     assert all(r["output"] == "Paris" for r in records if r["input"] == "France")
+    assert all(r["output"] == "cold" for r in records if r["input"] == "hot")
+    assert {r["input"] for r in records} == set(demo._CAPITALS) | set(demo._OPPOSITES)  # every entry trains
     docs = [json.loads(line) for line in text.read_text().splitlines()]
     assert len(docs) == demo.TEXT_DOCS and all(set(d) == {"text"} for d in docs)
     mtime = sft.stat().st_mtime_ns

@@ -148,6 +148,7 @@ def test_nested_index_from_merge_index_and_sample_locations(tmp_path, alpaca):
 # ----------------------------------------------------------------------------- datasink -> mosaic
 
 
+@pytest.mark.slow  # runs mosaic's own reader in its venv (tests/mosaic_venv.py)
 def test_datasink_rows_read_back_by_mosaic_streaming_dataset(ray_local, tmp_path, alpaca, mosaic_python):
     rows = [{"idx": i, "text": r["output"], "ids": list(range(i % 9 + 1)), "score": i / 7}
             for i, r in enumerate(alpaca)]
@@ -441,6 +442,7 @@ def test_convert_streams_into_parts_of_whole_shards_in_source_order(ray_local, t
     assert [split_sample_id(i)[1] for i in ids] == list(range(len(alpaca)))
 
 
+@pytest.mark.slow  # runs mosaic's own reader in its venv (tests/mosaic_venv.py)
 def test_convert_raw_keeps_columns_and_order(ray_local, tmp_path, alpaca, capsys, mosaic_python):
     convert = load_ray_job("convert")
 

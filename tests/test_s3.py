@@ -93,6 +93,7 @@ def test_jsonl_on_s3_mds_on_s3_and_mds_local_give_identical_rows(ray_local, corp
     assert from_jsonl_s3 == reference_rows  # one JSONL file per shard: the same units, ids and order
 
 
+@pytest.mark.slow  # runs mosaic's own reader in its venv (tests/mosaic_venv.py)
 def test_datasink_to_s3_read_by_mosaic_streaming_dataset(ray_local, moto_s3, corpus, tmp_path, monkeypatch,
                                                          mosaic_python):
     rows = [{"idx": i, "text": r["output"], "ids": list(range(i % 9 + 1))} for i, r in enumerate(corpus["records"])]
@@ -113,6 +114,7 @@ def test_datasink_to_s3_read_by_mosaic_streaming_dataset(ray_local, moto_s3, cor
         sink.on_write_start()
 
 
+@pytest.mark.slow  # runs mosaic's own reader in its venv (tests/mosaic_venv.py)
 def test_convert_jsonl_on_s3_to_mds_on_s3(ray_local, moto_s3, corpus, tmp_path, monkeypatch, capsys, mosaic_python):
     out = f"s3://{BUCKET}/converted"
     code = load_ray_job("convert").main(["--input", corpus["jsonl_s3"], "--output", out, "--endpoint-url",

@@ -45,7 +45,7 @@ def _load_and_generate(model_dir: Path) -> str:
     model, info = AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True)
     assert not info["missing_keys"] and not info["mismatched_keys"], info
     assert all(p.numel() > 0 and torch.isfinite(p).all() for p in model.parameters())
-    ids = tok("Uppercase the text.", return_tensors="pt").input_ids
+    ids = tok("Give the opposite of the word.", return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
     assert out.shape[1] > ids.shape[1]
     return tok.decode(out[0, ids.shape[1]:])

@@ -301,6 +301,20 @@ class Feeder:
             self._cond.notify_all()
         return item.for_rank(rank)
 
+    def telemetry(self, index: int) -> dict[str, Any]:
+        """What the trainer logs beside its losses, as of item ``index`` (the last one rank 0 took):
+        ``mix_share``, each source's share of what the epoch took so far, counted in ``data.mix_by`` units
+        (tokens or samples; since the resume step after a mix change), and the data-quality counters so far.
+        Example: ``{"mix_share": {"alpaca": 0.61, "lima": 0.39}, "data_quality": {"records_read": 5120, ...}}``.
+        """
+        with self._cond:
+            state = self._states.get(index, self._committed)
+        unit = "samples" if self.spec.mix_by == "samples" else "tokens"
+        taken = {s.key or str(i): getattr(s, unit) for i, s in enumerate(state.sources)}
+        total = sum(taken.values())
+        return {"mix_share": {k: v / total for k, v in taken.items()} if total else {},
+                "data_quality": self.report()["counters"]}
+
     def report(self) -> dict:
         """Data-quality counters summed over every stream this feeder opened (none for a given dataset)."""
         totals: dict[str, Any] = {"counters": {}, "examples": {}}

@@ -92,6 +92,12 @@ class StepFeed:
 
         return ray.get(self.feeder.report.remote())
 
+    def telemetry(self) -> dict:
+        """The feeder's mix shares and data-quality counters as of this rank's last item (see ``Feeder.telemetry``)."""
+        import ray
+
+        return ray.get(self.feeder.telemetry.remote(self.last_index))
+
 
 TOKEN_COLUMNS = ("input_ids", "labels", "position_ids")
 

@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from pipelines.config import Config, config_from_dict
+from pipelines.console import setup_worker_console
 from pipelines.storage import StorageOptions
 from pipelines.stream.spec import StreamSpec
 from pipelines.train.checkpoint import TrainerState, checkpoint_dir_name, report_checkpoint, restore
@@ -39,7 +40,6 @@ from pipelines.train.metrics import (
     Window,
     engine_summary,
     format_line,
-    setup_worker_console,
     startup_line,
 )
 from pipelines.train.step import (
@@ -116,7 +116,7 @@ class WorkerLoop:
         self.run_dir = run_dir(cfg)
         self.storage = StorageOptions.from_config(cfg.storage)
         self.out = OutputDir(self.run_dir, self.storage) if te.rank == 0 else None
-        self.metrics = MetricsWriter(self.out)
+        self.metrics = MetricsWriter(self.out, cfg, self.run_dir)
         self.window = Window()
         self.last_record: dict[str, Any] = {}
         self.last_eval: dict[str, Any] = {}
@@ -222,6 +222,8 @@ class WorkerLoop:
     def _log(self) -> None:
         wait_s, time_s = all_reduce_sum([self.window.wait_s, self.window.time_s], self.te.device)
         rec = self.window.record(self.state.step, self.state.epoch, self.cfg.data.sequence_len, wait_s, time_s)
+        if self.te.rank == 0:  # per-source mix shares and data-quality counters, for metrics.jsonl and the trackers
+            rec.update(self.train.telemetry())
         self.window = Window()
         self.last_record = rec
         self._print(startup_line(self.clock.now(), format_line(rec, self.cfg.train.max_steps)))

@@ -10,25 +10,28 @@ A logging window aggregates the steps since the last line, e.g. with ``log_every
 * pack: packing efficiency = real tokens / (rows * sequence_len),
 * data_wait: time the ranks spent blocked on the data iterator / window time (mean over ranks).
 
+The train record also holds (metrics.jsonl and the trackers, not the line) ``mix_share``, each source's
+share of the tokens the epoch took so far (``data.mix_by`` units), and ``data_quality``, the counters so
+far (records read and skipped, samples truncated and dropped, ...), as the feeder reports them.
+
 The same numbers go to ``<run dir>/metrics.jsonl`` (one JSON object per line, ``"kind": "train"``,
-``"eval"``, ``"resume"`` or ``"summary"``) and to TensorBoard event files under ``<run dir>/tensorboard``. Only rank 0
-writes.
+``"eval"``, ``"resume"`` or ``"summary"``) and to the trackers of ``run.loggers`` (TensorBoard under
+``<run dir>/tensorboard`` by default; W&B, MLflow: :mod:`pipelines.train.trackers`). Only rank 0 writes.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import math
 import os
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from pipelines.config import Config
 from pipelines.stats import packing_efficiency
 from pipelines.train.step import StepStats
 from pipelines.train.storage import OutputDir
+from pipelines.train.trackers import Trackers
 
 
 @dataclass
@@ -88,28 +91,24 @@ def format_line(rec: dict[str, Any], max_steps: int | None) -> str:
 
 
 class MetricsWriter:
-    """Writes metrics.jsonl and TensorBoard events into the run directory (rank 0; a no-op elsewhere)."""
+    """Writes metrics.jsonl into the run directory and hands every record to the trackers of
+    ``run.loggers`` (:class:`pipelines.train.trackers.Trackers`); rank 0 only, a no-op elsewhere."""
 
-    def __init__(self, out: OutputDir | None):
+    def __init__(self, out: OutputDir | None, cfg: Config | None = None, run_dir: str = ""):
         self.out = out
-        self._tb = None
+        self.trackers: Trackers | None = None
         if out is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
             self._jsonl = open(os.path.join(out.local, "metrics.jsonl"), "a", encoding="utf-8")  # noqa: SIM115
-            self._tb = SummaryWriter(os.path.join(out.local, "tensorboard"))
+            if cfg is not None:
+                self.trackers = Trackers(cfg, run_dir, out.local)
 
     def write(self, rec: dict[str, Any]) -> None:
         if self.out is None:
             return
         self._jsonl.write(json.dumps(rec) + "\n")
         self._jsonl.flush()
-        prefix = rec.get("kind", "train")
-        step = int(rec.get("step", 0))
-        for k, v in rec.items():
-            if k not in ("kind", "step") and isinstance(v, (int, float)) and math.isfinite(v):
-                self._tb.add_scalar(f"{prefix}/{k}", v, step)
-        self._tb.flush()
+        if self.trackers is not None:
+            self.trackers.log(rec)
 
     def sync(self) -> None:
         if self.out is not None:
@@ -119,7 +118,8 @@ class MetricsWriter:
         if self.out is None:
             return
         self._jsonl.close()
-        self._tb.close()
+        if self.trackers is not None:
+            self.trackers.close()
         self.out.sync()
 
 
@@ -293,30 +293,6 @@ def read_summary(run_dir: str, filesystem: Any = None) -> dict[str, Any]:
         fs, path = pafs.LocalFileSystem(), os.path.abspath(run_dir)
     with fs.open_input_stream(f"{path}/summary.json") as f:
         return json.loads(f.read().decode("utf-8"))
-
-
-def setup_worker_console(ray_log_level: str) -> None:
-    """Worker-side console hygiene, called first in ``train_loop_per_worker`` (so in every worker process,
-    before its first ``ray.train.report``).
-
-    ``ray_log_level`` (``run.ray_log_level``) goes to the Ray Train logger that ``LoggingConfig`` misses.
-
-    Ray Train V2 logs every ``ray.train.report`` at INFO from every rank ("Reporting training result
-    N: TrainingReport(...)", the whole metrics dict). Ray 2.60 names that module's logger
-    ``logging.getLogger(__file__)`` -- a file path, not ``ray.train.v2._internal.execution.context`` --
-    so it sits outside the ``ray.train`` hierarchy that ``LoggingConfig(log_level=...)`` filters, and
-    its records reach the worker's root console handler. The level is therefore set on that logger
-    object itself (whatever its name). Our own line per log step (rank 0) replaces it.
-
-    DeepSpeed 0.19's ZeRO-1/2 optimizer calls ``torch.distributed.all_gather_into_tensor``, which
-    torch 2.14 deprecates with a ``FutureWarning`` (from torch's c10d_logger.py) on each rank: not
-    ours to fix (a third-party call); this filter names that one message only.
-    """
-    from ray.train.v2._internal.execution import context as train_context
-
-    train_context.logger.setLevel(getattr(logging, ray_log_level))
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
-                            category=FutureWarning)
 
 
 def engine_summary(cfg: Any, te: Any) -> str:

@@ -19,6 +19,7 @@ One optimizer step (:func:`train_step`), on every rank:
 from __future__ import annotations
 
 import argparse
+import builtins
 import importlib.util
 import logging
 import os
@@ -85,7 +86,24 @@ def init_distributed(use_gpu: bool, device: torch.device | None = None) -> None:
                           MASTER_PORT=str(_free_port()))
     if use_gpu and torch.cuda.is_available():
         torch.cuda.set_device(device if device is not None else int(os.environ.get("LOCAL_RANK", "0")))
-    deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo", verbose=False)
+    # On CPU, DeepSpeed loads its shared-memory communication op here and prints "DeepSpeed ... built
+    # successfully" from every rank, every run. Ray Train replaces `print` in its workers (the line goes to
+    # the root logger), so `print` itself is swapped for the call; anything else printed is passed on.
+    original, held = builtins.print, []
+
+    def hold(*objects: Any, sep: str | None = " ", end: str | None = "\n", file: Any = None, flush: bool = False) -> None:
+        text = (sep if sep is not None else " ").join(map(str, objects))
+        if file is None and text.endswith(" built successfully"):
+            return
+        held.append((objects, {"sep": sep, "end": end, "file": file, "flush": flush}))
+
+    builtins.print = hold
+    try:
+        deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo", verbose=False)
+    finally:
+        builtins.print = original
+    for objects, kwargs in held:
+        print(*objects, **kwargs)
 
 
 def _free_port() -> int:
