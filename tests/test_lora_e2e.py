@@ -130,6 +130,7 @@ def test_lora_zero3_learns_exports_and_resumes_after_sigkill(ray_local, tmp_path
     ledger = _ledger(faulty)
     assert set(sample_counts(ledger).values()) == {1}
     assert [(e.step, e.ranks) for e in ledger] == [(e.step, e.ranks) for e in base_ledger]
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # what the tracker sets for its file: URI, for the reader
     _check_trackers(faulty, mlruns, redo)
 
 
@@ -148,9 +149,12 @@ def _check_trackers(run: Path, mlruns: str, losses: dict[int, list[float]]) -> N
     history = client.get_metric_history(mlrun.info.run_id, "train/loss")
     assert sorted((m.step, m.value) for m in history) == sorted(logged)
     assert mlrun.data.params["train.max_steps"] == str(STEPS)
+    share = client.get_metric_history(mlrun.info.run_id, "train/mix_share/demo_sft")  # the key "demo://sft", made safe
+    assert sorted(m.step for m in share) == sorted(s for s, _ in logged) and {m.value for m in share} == {1.0}
 
-    # W&B: one run id for both fits (the second resumes it); W&B keeps a step once, so the redone steps
-    # 5 and 6 stay as first logged (equal within 1e-3, checked above).
+    # W&B: one run id for both fits (the second resumes it). What the killed first fit logged is lost with it
+    # (W&B's offline writer had not flushed: its file holds no record), so W&B holds the steps the restarted
+    # workers trained, from the resume point on; metrics.jsonl and MLflow hold every attempt.
     wandb_files = sorted(run.glob("wandb/offline-run-*/run-*.wandb"))
     assert len({f.name for f in wandb_files}) == 1 and len(wandb_files) == 2, wandb_files
     seen: dict[int, float] = {}
@@ -162,8 +166,9 @@ def _check_trackers(run: Path, mlruns: str, losses: dict[int, list[float]]) -> N
             rec = json.loads(line) if line.startswith("{") else {}
             item = rec.get("history", {}).get("item", {})
             if "train/loss" in item:
-                seen.setdefault(int(item["_step"]), item["train/loss"])
-    assert seen == {s: v[0] for s, v in losses.items()}
+                seen[int(item["_step"])] = item["train/loss"]
+    assert {s: v for s, v in seen.items() if s > EVERY} == {s: v[-1] for s, v in losses.items() if s > EVERY}
+    assert all(seen[s] == losses[s][0] for s in seen if s <= EVERY)
 
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()

@@ -39,7 +39,7 @@ def _records(steps: list[int]) -> list[dict]:
     for s in steps:
         out.append({"kind": "train", "step": s, "epoch": 0, "loss": 3.0 / s, "lr": 1e-3 * s, "grad_norm": 0.5,
                     "tokens_per_s": 1000.0 + s, "packing_efficiency": 0.9, "data_wait_pct": 1.5,
-                    "mix_share": {"alpaca": 0.6, "lima": 0.4}, "data_quality": {"records_skipped": s}})
+                    "mix_share": {"alpaca": 0.6, "s3://b/lima.jsonl": 0.4}, "data_quality": {"records_skipped": s}})
     out.append({"kind": "eval", "step": steps[-1], "eval_loss": 2.5, "note": "text is not a scalar"})
     return out
 
@@ -57,7 +57,7 @@ def _feed(cfg, run_dir: Path, steps: list[int]) -> list[str]:
 def test_scalars_flatten_nested_numbers_and_skip_the_rest():
     rec = _records([2])[0]
     got = dict(scalars({**rec, "flag": True, "nan": float("nan"), "name": "x"}))
-    assert got["loss"] == 1.5 and got["mix_share/lima"] == 0.4 and got["data_quality/records_skipped"] == 2.0
+    assert got["loss"] == 1.5 and got["mix_share/s3_b_lima.jsonl"] == 0.4 and got["data_quality/records_skipped"] == 2.0
     assert not {"kind", "step", "flag", "nan", "name"} & set(got)
     assert redact(f"file:///x https://bob:{SECRET}@h:1/p s3://k@b/c") == "file:///x https://h:1/p s3://b/c"
 
@@ -102,7 +102,7 @@ def test_mlflow_file_store_gets_the_scalars_once_per_run_and_the_resume_appends(
     (run,) = client.search_runs([exp.experiment_id])
     loss = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert sorted(loss) == [(2, 1.5), (4, 0.75), (6, 0.5)]
-    shares = client.get_metric_history(run.info.run_id, "train/mix_share/lima")
+    shares = client.get_metric_history(run.info.run_id, "train/mix_share/s3_b_lima.jsonl")  # a URL key, made safe
     assert sorted(m.step for m in shares) == [2, 4, 6] and {m.value for m in shares} == {0.4}
     assert run.data.params["train.max_steps"] == "4" and run.data.tags["pipelines.run_dir"] == str(run_dir)
     config = json.loads(Path(client.download_artifacts(run.info.run_id, "config.json", str(tmp_path))).read_text())

@@ -3,9 +3,10 @@
 ``run.loggers: [tensorboard, wandb, mlflow]`` picks them (TensorBoard is the default and in the core
 install; ``pip install 'pipelines[wandb]'`` / ``'pipelines[mlflow]'`` for the others). Rank 0 opens them
 once per fit and hands each one every record it writes to metrics.jsonl: the numbers of a record become
-scalars named ``<kind>/<key>`` at the record's step, nested ones joined by ``/``. For example the train
-record ``{"kind": "train", "step": 20, "loss": 2.31, "mix_share": {"alpaca": 0.61}}`` logs
-``train/loss = 2.31`` and ``train/mix_share/alpaca = 0.61`` at step 20.
+scalars named ``<kind>/<key>`` at the record's step, nested ones joined by ``/``, every part made of
+letters, digits and ``_ - .`` only (MLflow refuses other names, and the same names go everywhere). For
+example the train record ``{"kind": "train", "step": 20, "loss": 2.31, "mix_share": {"s3://b/alpaca": 0.61}}``
+logs ``train/loss = 2.31`` and ``train/mix_share/s3_b_alpaca = 0.61`` at step 20.
 
 The run config is logged once, when a tracker opens (W&B's run config; MLflow's ``config.json``
 artifact and flattened params), with any ``user:password@`` in a URL removed. Credentials stay where the
@@ -33,6 +34,7 @@ from pipelines.config import Config
 logger = logging.getLogger(__name__)
 
 _USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
 def redact(text: str) -> str:
@@ -55,11 +57,12 @@ def public_config(cfg: Config) -> dict[str, Any]:
 
 
 def scalars(rec: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, float]]:
-    """The finite numbers of a metrics record, nested keys joined by ``/`` (bools and text skipped)."""
+    """The finite numbers of a metrics record, nested keys joined by ``/`` (bools and text skipped); each key
+    keeps letters, digits and ``_ - .``, a run of anything else becomes one ``_`` (``"demo://sft"`` -> ``"demo_sft"``)."""
     for key, value in rec.items():
         if not prefix and key in ("kind", "step"):
             continue
-        name = f"{prefix}{key}"
+        name = f"{prefix}{_UNSAFE.sub('_', str(key)).strip('_') or '_'}"
         if isinstance(value, dict):
             yield from scalars(value, f"{name}/")
         elif isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
@@ -125,8 +128,9 @@ class WandbTracker:
 
 class MlflowTracker:
     """An MLflow run in experiment ``run.mlflow.experiment`` at ``run.mlflow.tracking_uri`` (else
-    ``MLFLOW_TRACKING_URI``, else MLflow's default). Metrics go asynchronously, so a slow server does not
-    hold up the steps. A ``file:`` URI asks for MLflow's file store, which MLflow 3 keeps only on request
+    ``MLFLOW_TRACKING_URI``, else MLflow's default). Each record is one synchronous batch: one request per
+    log step, so a failure is seen (and reported) at once and nothing waits in a queue when a worker dies.
+    A ``file:`` URI asks for MLflow's file store, which MLflow 3 keeps only on request
     (``MLFLOW_ALLOW_FILE_STORE``); naming one in the config is that request."""
 
     name = "mlflow"
@@ -159,8 +163,6 @@ class MlflowTracker:
             params = [mlflow.entities.Param(k, str(v)[:500]) for k, v in _flat(config)]
             for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
                 self._client.log_batch(self.run_id, params=params[i : i + 100])
-        self._pending: list[Any] = []
-
     def log(self, kind: str, step: int, values: dict[str, float]) -> None:
         import time
 
@@ -169,11 +171,9 @@ class MlflowTracker:
         now = int(time.time() * 1000)
         metrics = [Metric(f"{kind}/{k}", v, now, step) for k, v in values.items()]
         for i in range(0, len(metrics), 1000):  # MLflow's batch limit
-            self._pending.append(self._client.log_batch(self.run_id, metrics=metrics[i : i + 1000], synchronous=False))
+            self._client.log_batch(self.run_id, metrics=metrics[i : i + 1000], synchronous=True)
 
     def close(self) -> None:
-        for op in self._pending:
-            op.wait()
         self._client.set_terminated(self.run_id)
 
 
