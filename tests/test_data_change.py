@@ -14,7 +14,7 @@ import json
 import pyarrow.fs as pafs
 import pytest
 import ray
-from conftest import make_config, write_jsonl
+from conftest import make_config, needs_shared, write_jsonl
 from test_feeder import drive
 
 from pipelines.sources.listing import split_sample_id
@@ -22,6 +22,8 @@ from pipelines.stream.feeder import start_feeder
 from pipelines.stream.ledger import Ledger
 from pipelines.stream.resume import DataChangeError
 from pipelines.stream.spec import build_spec
+
+pytestmark = needs_shared  # the GPT-2 tokenizer of ../shared/data
 
 SIZES = {"a": 240, "b": 160, "c": 200}
 WORLD, K = 2, 2
