@@ -441,7 +441,6 @@ class RunConfig(_Strict):
         "samples), keeps every unchanged source's exactly-once position, starts a new one at its beginning and "
         "applies the new weights from the resume step. Restarts and changes are logged and marked in the ledger.")
 
-
     @field_validator("loggers")
     @classmethod
     def _loggers_once(cls, v: list[str]) -> list[str]:

@@ -49,7 +49,7 @@ def load_tokenizer(model: ModelConfig) -> PreTrainedTokenizerBase:
     special tokens and chat template of ``tokenizer_config.json``. ``AutoTokenizer`` in transformers 5
     instead rebuilds a tokenizer from its declared class, and for some classes that changes the encoding:
     SmolLM2 declares ``GPT2Tokenizer``, whose rebuild drops the file's ``Digits`` pre-tokenizer and its
-    added tokens, so ``"\n\n1."`` becomes ``[198, 198, 33, 30]`` instead of the ``[1116, 33, 30]`` the model
+    added tokens, so ``"\\n\\n1."`` becomes ``[198, 198, 33, 30]`` instead of the ``[1116, 33, 30]`` the model
     was trained on (huggingface/transformers#45701; allenai/open-instruct#1896 saw the same with Dolma 2).
     Loading the file also keeps torch out of the tokenizer processes (``AutoTokenizer`` imports it: ~2 s).
     Everything else (remote code, a Hub id, a config key transformers applies to the Rust tokenizer) goes
