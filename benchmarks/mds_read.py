@@ -353,8 +353,9 @@ def _child_once(name: str, params: dict[str, Any]) -> dict[str, Any]:
     python = sys.executable
     env = {**os.environ, **ENV}
     if name in ("mosaic", "tokenize_loop"):  # mosaic's own code, in the venv that has it (tests/mosaic_venv.py)
-        python = subprocess.run([sys.executable, str(ROOT / "tests" / "mosaic_venv.py")], capture_output=True,
-                                text=True, check=True).stdout.strip().splitlines()[-1]
+        from benchlib import mosaic_python  # benchmarks/ is this script's directory
+
+        python = str(mosaic_python())
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     out = subprocess.run([python, __file__, "--child", name, json.dumps(params)], capture_output=True,
                          text=True, env=env)
