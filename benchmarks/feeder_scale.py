@@ -195,7 +195,7 @@ def run_feeder(ds: ray.data.Dataset, ranks: list[Any], quiet_s: float) -> dict[s
     cfg = config_from_dict({"model": {"tokenizer": str(GPT2.parent)},
                             "data": {"datasets": [{"path": str(C4), "type": "completion"}]}})
     feeder = ray.remote(num_cpus=0, max_concurrency=feeder_concurrency(n))(GatedFeeder).remote(
-        given_spec(cfg), n, K, 1, given=ds)
+        given_spec(cfg), n, n * K, 1, given=ds)
     ray.get(feeder.prime.remote())
     ray.get([r.connect.remote(feeder) for r in ranks])
     quiet = wait_quiet(timeout_s=quiet_s)

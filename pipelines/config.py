@@ -350,7 +350,15 @@ class TrainConfig(_Strict):
                                      "over more samples"}
 
     micro_batch_size: int = Field(1, gt=0, description="Packed rows per worker per forward pass.")
-    gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step on each worker.")
+    gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step on each worker, "
+                                             "at the largest world size (scaling.num_workers, or its max); leave it "
+                                             "at 1 with global_batch_size.")
+    global_batch_size: int | None = Field(
+        None, gt=0, description="Packed rows per optimizer step over all workers, the same at every world size: each "
+        "worker takes its share (the first global_batch_size % workers ranks one row more) and accumulates "
+        "ceil(share / micro_batch_size) micro-batches. None: micro_batch_size x gradient_accumulation_steps x "
+        "scaling.num_workers (its max when elastic). Set it to keep the batch when resuming with another "
+        "scaling.num_workers.")
     max_steps: int | None = Field(None, gt=0, description="Optimizer steps; overrides epochs for the LR schedule.")
     epochs: int = Field(1, gt=0, description="Passes over the stream (an epoch ends when the stream is exhausted).")
     learning_rate: float = Field(2e-5, gt=0, description="Peak AdamW learning rate.")
@@ -383,7 +391,45 @@ class TrainConfig(_Strict):
 class ScalingConfig(_Strict):
     """How many Ray Train workers and what each gets (ray.train.ScalingConfig)."""
 
-    num_workers: int = Field(1, gt=0, description="Ray Train workers (ranks).")
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _min_max(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            v = tuple(v)
+        if isinstance(v, tuple) and len(v) == 2 and v[0] == v[1]:
+            v = v[0]
+        return v
+
+    @field_validator("num_workers")
+    @classmethod
+    def _positive(cls, v: int | tuple[int, int]) -> int | tuple[int, int]:
+        lo, hi = (v, v) if isinstance(v, int) else v
+        if lo < 1 or hi < lo:
+            raise ValueError(f"{list(v) if isinstance(v, tuple) else v}: a number >= 1, or [min, max] with 1 <= min <= max")
+        return v
+
+    @property
+    def elastic(self) -> bool:
+        return isinstance(self.num_workers, tuple)
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if isinstance(self.num_workers, tuple) else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
+
+    num_workers: int | tuple[int, int] = Field(
+        1, description="Ray Train workers (ranks): a number, or [min, max] for an elastic run that shrinks to the "
+        "workers it can place when a node is lost (no fewer than min) and grows back when resources return "
+        "(docs/training.md, 'Elastic runs').")
+    resize_check_s: float = Field(
+        60.0, gt=0, description="Elastic runs: how often Ray Train checks whether more workers can be placed "
+        "(ScalingConfig.elastic_resize_monitor_interval_s); growing restarts the group from the last checkpoint.")
+    min_workers_timeout_s: float = Field(
+        600.0, gt=0, description="Elastic runs: how long the run waits with fewer than min workers placeable "
+        "before it fails with an error naming what is missing.")
     use_gpu: bool = Field(False, description="One GPU per worker, NCCL; else CPU workers with gloo.")
     resources_per_worker: dict[str, float] | None = Field(
         None, description="e.g. {CPU: 8, GPU: 1, gpu_node: 1} to pin trainers to GPU nodes."
@@ -478,6 +524,20 @@ class Config(_Strict):
                              "(without an adapter the exported model is already the full model)")
         if self.train.export_merged and not self.run.export_model:
             raise ValueError("train.export_merged: needs run.export_model=true")
+        return self
+
+    @model_validator(mode="after")
+    def _one_global_batch(self) -> Config:
+        t = self.train
+        if t.global_batch_size is None:
+            return self
+        if t.gradient_accumulation_steps != 1:
+            raise ValueError("train.global_batch_size: set it or train.gradient_accumulation_steps, not both (with "
+                             "global_batch_size each worker's accumulation follows from its share of the rows)")
+        if t.global_batch_size < self.scaling.max_workers:
+            raise ValueError(f"train.global_batch_size: {t.global_batch_size} rows per step cannot give each of "
+                             f"{self.scaling.max_workers} workers (scaling.num_workers) a row; set at least "
+                             f"{self.scaling.max_workers}")
         return self
 
 

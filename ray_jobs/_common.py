@@ -21,6 +21,7 @@ if str(REPO_ROOT) not in sys.path:  # `python ray_jobs/sft.py` from a checkout w
     sys.path.insert(0, str(REPO_ROOT))
 
 from pipelines.config import Config, ConfigError, load_config  # noqa: E402
+from pipelines.stream.batch import global_rows  # noqa: E402
 
 
 def parse_args(argv: list[str] | None, default_config: Path, description: str) -> tuple[str, list[str]]:
@@ -112,11 +113,12 @@ def describe(cfg: Config, config: str, overrides: list[str]) -> str:
     t, s = cfg.train, cfg.scaling
     model = (f"{cfg.model.init.architecture} init (hidden {cfg.model.init.hidden_size}, "
              f"{cfg.model.init.num_hidden_layers} layers)") if cfg.model.init else cfg.model.name_or_path
-    rows = t.micro_batch_size * t.gradient_accumulation_steps * s.num_workers
+    rows = global_rows(t, s)
+    workers = f"{s.min_workers}-{s.max_workers} (elastic)" if s.elastic else str(s.num_workers)
     steps = f"{t.max_steps} steps" if t.max_steps else f"{t.epochs} epoch(s)"
     ds = t.deepspeed if isinstance(t.deepspeed, str) else "inline"
     return (f"{config}{f' (+{len(overrides)} overrides)' if overrides else ''} | {model} | "
-            f"{s.num_workers} {'GPU' if s.use_gpu else 'CPU'} workers, DeepSpeed {ds}, {'bf16' if t.bf16 else 'fp32'} | "
+            f"{workers} {'GPU' if s.use_gpu else 'CPU'} workers, DeepSpeed {ds}, {'bf16' if t.bf16 else 'fp32'} | "
             f"{steps} x {rows} rows x {cfg.data.sequence_len} tokens | run {cfg.run.storage_path}/{cfg.run.name}")
 
 

@@ -65,11 +65,11 @@ def _two_runs(tmp_path, before: dict, after: dict, at_step: int, **data):
     """The first run to step ``at_step`` (committed), then the changed one to the end of the epoch."""
     root = str(tmp_path / "ledger")
     cfg1, cfg2 = _cfg(tmp_path, before, **data), _cfg(tmp_path, after, **data)
-    first = start_feeder(cfg1, WORLD, K, None, root)
+    first = start_feeder(cfg1, WORLD, WORLD * K, None, root)
     head, last = drive(first, WORLD, max_steps=at_step)
     saved = ray.get(first.commit.remote(last))
     ray.kill(first)
-    second = start_feeder(cfg2, WORLD, K, None, root)
+    second = start_feeder(cfg2, WORLD, WORLD * K, None, root)
     resumed = ray.get(second.resume.remote(saved, at_step, 0, "continue", f"step {at_step}"))
     tail, last2 = drive(second, WORLD)
     ray.get(second.commit.remote(last2))
@@ -127,22 +127,22 @@ def test_new_weights_apply_from_the_resume_step(tmp_path, ray_local):
 def test_continue_refuses_a_changed_source_or_another_change(tmp_path, ray_local):
     root = str(tmp_path / "ledger")
     cfg = _cfg(tmp_path, {"a": 1.0, "b": 1.0})
-    first = start_feeder(cfg, WORLD, K, None, root)
+    first = start_feeder(cfg, WORLD, WORLD * K, None, root)
     _, last = drive(first, WORLD, max_steps=5)
     saved = ray.get(first.commit.remote(last))
     ray.kill(first)
     # another sequence_len is not a change of the mix: refused, naming it
-    other = start_feeder(_cfg(tmp_path, {"a": 1.0, "b": 1.0}, sequence_len=128), WORLD, K, None, root)
+    other = start_feeder(_cfg(tmp_path, {"a": 1.0, "b": 1.0}, sequence_len=128), WORLD, WORLD * K, None, root)
     with pytest.raises(DataChangeError, match=r"data.sequence_len: 96 -> 128"):
         ray.get(other.resume.remote(saved, 5, 0, "continue", "step 5"))
     # a record appended to a's file: a is not the stream it was
     with open(tmp_path / "a.jsonl", "a", encoding="utf-8") as f:
         f.write(json.dumps({"text": "a-late w w w"}) + "\n")
-    grown = start_feeder(_cfg(tmp_path, {"a": 1.0, "b": 1.0}), WORLD, K, None, root)
+    grown = start_feeder(_cfg(tmp_path, {"a": 1.0, "b": 1.0}), WORLD, WORLD * K, None, root)
     with pytest.raises(DataChangeError, match="source '.*a.jsonl' is not the stream it was"):
         ray.get(grown.resume.remote(saved, 5, 0, "continue", "step 5"))
     # under fail (the default) an added dataset is refused too, naming it
-    added = start_feeder(_cfg(tmp_path, {"b": 1.0, "c": 1.0}), WORLD, K, None, root)
+    added = start_feeder(_cfg(tmp_path, {"b": 1.0, "c": 1.0}), WORLD, WORLD * K, None, root)
     with pytest.raises(DataChangeError, match=r"data.datasets\[1\].path"):
         ray.get(added.resume.remote(saved, 5, 0, "fail", "step 5"))
     assert Ledger(pafs.LocalFileSystem(), root).changes() == []
@@ -160,12 +160,12 @@ def test_a_file_added_mid_run_waits_for_the_next_run_which_applies_on_data_chang
         write_jsonl(d / f"part-{k}.jsonl", [{"text": f"p{k}_{i} " + "w " * 6} for i in range(60)])
     cfg = make_config([{"path": str(d), "type": "completion"}], sequence_len=96, pack_buffer_size=20)
     spec = build_spec(cfg)
-    first = start_feeder(spec, WORLD, K, None, None, 1)
+    first = start_feeder(spec, WORLD, WORLD * K, None, None, 1)
     _, last = drive(first, WORLD, max_steps=4)
     saved = ray.get(first.commit.remote(last))
     ray.kill(first)
     write_jsonl(d / "part-2.jsonl", [{"text": f"late_{i} w w" } for i in range(60)])  # lands mid-run
-    again = start_feeder(spec, WORLD, K, saved, None, 1)  # the run's restarted worker group: its own spec
+    again = start_feeder(spec, WORLD, WORLD * K, saved, None, 1)  # the run's restarted worker group: its own spec
     rest, _ = drive(again, WORLD)
     files = {split_sample_id(s)[0] for step in rest for rank in step for row in rank for s in row}
     assert files <= {0, 1} and len(spec.table.files) == 2  # the new file is not in this run
@@ -174,7 +174,7 @@ def test_a_file_added_mid_run_waits_for_the_next_run_which_applies_on_data_chang
     with pytest.raises(DataChangeError, match="files: '2 files"):
         resume_state(saved, 4, 0, later, "fail", "step 4")
     root = str(tmp_path / "ledger")
-    feeder = start_feeder(later, WORLD, K, None, root, 1)
+    feeder = start_feeder(later, WORLD, WORLD * K, None, root, 1)
     restarted = ray.get(feeder.resume.remote(saved, 4, 0, "restart", "step 4"))
     assert restarted.kind == "restart" and restarted.state.next_epoch == 0 and restarted.state.sources == []
     (mark,) = Ledger(pafs.LocalFileSystem(), root).restarts()

@@ -101,7 +101,7 @@ def _schedule(cfg, workers: int) -> list[list[list[list[int]]]]:
     from pipelines.stream.client import FeederClient
     from pipelines.stream.feeder import start_feeder
 
-    rows = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps
+    rows = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps * workers
     feeder = start_feeder(cfg, workers, rows, None, None, epochs=1)
     clients = [FeederClient(feeder, r) for r in range(workers)]
     steps = []

@@ -50,10 +50,10 @@ def _ids(steps) -> list[int]:
 
 def test_same_seed_same_rows_per_rank_and_other_seed_differs(tmp_path, ray_local):
     cfg = _config(tmp_path)
-    a, _ = drive(start_feeder(cfg, 2, 3, None, None), 2)
-    b, _ = drive(start_feeder(cfg, 2, 3, None, None), 2)
+    a, _ = drive(start_feeder(cfg, 2, 6, None, None), 2)
+    b, _ = drive(start_feeder(cfg, 2, 6, None, None), 2)
     assert a == b and len(a) > 20
-    c, _ = drive(start_feeder(_config(tmp_path, seed=8), 2, 3, None, None), 2)
+    c, _ = drive(start_feeder(_config(tmp_path, seed=8), 2, 6, None, None), 2)
     assert sorted(_ids(a)) == sorted(_ids(c)) and _ids(a) != _ids(c)
     assert sorted(_ids(a)) == sorted(set(_ids(a)))  # every sample once
     assert len(_ids(a)) == N_FILES * PER_FILE
@@ -63,11 +63,11 @@ def _resume_run(tmp_path, world_before: int, world_after: int):
     cfg = _config(tmp_path)
     ledger_root = str(tmp_path / f"ledger_{world_before}_{world_after}")
     full, _ = drive(start_feeder(cfg, 1, 6, None, None), 1)
-    first = start_feeder(cfg, world_before, 6 // world_before, None, ledger_root)
+    first = start_feeder(cfg, world_before, 6, None, ledger_root)
     head, last = drive(first, world_before, max_steps=len(full) // 3)
     state = ray.get(first.commit.remote(last))
     ray.kill(first)  # the worker group dies; rows it had prefetched are not counted
-    second = start_feeder(cfg, world_after, 6 // world_after, state, ledger_root)
+    second = start_feeder(cfg, world_after, 6, state, ledger_root)
     tail, last2 = drive(second, world_after)
     ray.get(second.commit.remote(last2))
     return full, head, tail, ledger_root
@@ -92,7 +92,7 @@ def test_restore_forgets_uncommitted_steps_in_the_ledger(tmp_path, ray_local):
 
     cfg = _config(tmp_path)
     root = str(tmp_path / "ledger")
-    feeder = start_feeder(cfg, 2, 3, None, root)
+    feeder = start_feeder(cfg, 2, 6, None, root)
     clients = [FeederClient(feeder, r) for r in range(2)]  # one client per rank for the whole run
     steps, last = drive(feeder, 2, max_steps=10, clients=clients)
     state = ray.get(feeder.commit.remote(last))  # checkpoint at step 10
@@ -100,7 +100,7 @@ def test_restore_forgets_uncommitted_steps_in_the_ledger(tmp_path, ray_local):
     ray.get(feeder.commit.remote(last))  # ledger flushed to step 15, then the checkpoint fails
     ray.kill(feeder)
     assert [e.step for e in Ledger(pafs.LocalFileSystem(), root).entries()][-1] == 15
-    restored = start_feeder(cfg, 2, 3, state, root)  # restore from step 10
+    restored = start_feeder(cfg, 2, 6, state, root)  # restore from step 10
     ray.get(restored.report.remote())  # returns once the feeder is up (it trims the ledger first)
     assert [e.step for e in Ledger(pafs.LocalFileSystem(), root).entries()] == list(range(1, 11))
 
@@ -207,9 +207,9 @@ class _Recorder:
 
 def test_a_rank_takes_whole_batches_after_a_doubling_start_and_gets_the_same_rows(tmp_path, ray_local):
     cfg = _config(tmp_path)
-    first = start_feeder(cfg, 2, 1, None, None)
+    first = start_feeder(cfg, 2, 2, None, None)
     one_by_one, _ = drive(first, 2, clients=[FeederClient(first, r, batch=1) for r in range(2)])
-    feeder = start_feeder(cfg, 2, 1, None, None)
+    feeder = start_feeder(cfg, 2, 2, None, None)
     recorders = [_Recorder(feeder) for _ in range(2)]
     batched, _ = drive(None, 2, clients=[FeederClient(rec, r, batch=8) for r, rec in enumerate(recorders)])
     assert batched == one_by_one and len(batched) > 60  # the same rows per rank per step

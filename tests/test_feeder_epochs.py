@@ -34,17 +34,17 @@ def _epochs_of(feeder, start: int = 0):
 @pytest.mark.parametrize("cut", ["last_step_of_epoch_0", "first_step_of_epoch_1"])
 def test_checkpoint_at_an_epoch_boundary_resumes_into_the_next_epoch(tmp_path, ray_local, cut):
     cfg = _config(tmp_path)
-    full = _epochs_of(start_feeder(cfg, WORLD, K, None, None, epochs=2))
+    full = _epochs_of(start_feeder(cfg, WORLD, WORLD * K, None, None, epochs=2))
     per_epoch = [sum(1 for e, _, _ in full if e == epoch) for epoch in (0, 1)]
     assert per_epoch[0] > 5 and per_epoch[1] > 5
     at = per_epoch[0] + (cut == "first_step_of_epoch_1")
     root = str(tmp_path / f"ledger_{cut}")
-    first = start_feeder(cfg, WORLD, K, None, root, epochs=2)
+    first = start_feeder(cfg, WORLD, WORLD * K, None, root, epochs=2)
     head, last = drive(first, WORLD, max_steps=at)  # the epoch-end item is not fetched yet
     state = ray.get(first.commit.remote(last))
     ray.kill(first)
     assert DataState.from_dict(state).next_epoch == 1  # the loop goes on with epoch 1, not an empty rest of epoch 0
-    second = start_feeder(cfg, WORLD, K, state, root, epochs=2)
+    second = start_feeder(cfg, WORLD, WORLD * K, state, root, epochs=2)
     tail = _epochs_of(second)
     assert tail and tail[0][0] == 1 and tail[0][1] == at + 1  # first item: a step of epoch 1
     ray.get(second.commit.remote(len(tail)))  # the epoch-end item: every step into the ledger

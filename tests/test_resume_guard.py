@@ -26,11 +26,12 @@ from pipelines.train.checkpoint import (
     MANIFEST,
     STATE_FILE,
     CheckpointError,
+    SavedLayout,
     TrainerState,
-    check_world_size,
     checkpoint_dir_name,
     newer_unregistered,
     newest_complete,
+    saved_layout,
 )
 
 
@@ -187,14 +188,15 @@ def test_zero_steps_while_steps_remain_is_an_error(monkeypatch, tmp_path):
         worker.run()
 
 
-def test_zero_checkpoint_with_another_world_size_is_refused_naming_the_fix(tmp_path):
+def test_a_zero_checkpoint_at_another_world_size_takes_the_universal_path(tmp_path):
+    fs = pafs.LocalFileSystem()
     d = _fake_checkpoint(tmp_path, 4)  # saved by 2 workers with ZeRO-2
-    check_world_size(2, str(d))
-    with pytest.raises(CheckpointError, match="scaling.num_workers=2"):
-        check_world_size(1, str(d))
+    layout = saved_layout(fs, str(d))
+    assert layout == SavedLayout(2, 2)
+    assert not layout.needs_universal(2) and layout.needs_universal(1) and layout.needs_universal(3)
     manifest = json.loads((d / MANIFEST).read_text())
     (d / MANIFEST).write_text(json.dumps({**manifest, "zero_stage": 0}))
-    check_world_size(1, str(d))  # ZeRO-0: any world size
+    assert not saved_layout(fs, str(d)).needs_universal(1)  # ZeRO-0: every rank holds everything
 
 
 def test_run_dir_on_s3_uses_the_one_storage_layer(moto_s3, tmp_path):

@@ -7,5 +7,6 @@
 * :mod:`~pipelines.stream.mixing`: token-weighted mixing of the sources;
 * :mod:`~pipelines.stream.state`: the typed data position (:class:`~pipelines.stream.state.DataState`);
 * :mod:`~pipelines.stream.ledger`: what was trained on, step by step;
+* :mod:`~pipelines.stream.batch`: the global batch of a step and each rank's share, at any world size;
 * :mod:`~pipelines.stream.feeder`: the actor that serves every rank its rows, and owns the position.
 """

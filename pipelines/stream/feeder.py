@@ -6,9 +6,9 @@ one small ``DataFeeder`` actor (created by rank 0 of each worker group on its no
 the per-source datasets of a :class:`~pipelines.stream.spec.StreamSpec` (:func:`pipelines.stream.dataset.source_dataset`)
 in order, mixes them (:mod:`pipelines.stream.mixing`) and cuts the result into *items*:
 
-* a step item: the rows of one global optimizer step, ``world_size x rows_per_rank`` of them,
-  rank ``r`` taking the ``r``-th slice (fewer, or none, at the end of an epoch), plus the
-  :class:`~pipelines.stream.state.DataState` right after it;
+* a step item: the rows of one global optimizer step, ``step_rows`` of them whatever the world size,
+  rank ``r`` taking the ``r``-th slice (:func:`~pipelines.stream.batch.rank_rows`; fewer, or none, at the end of an epoch), plus
+  the :class:`~pipelines.stream.state.DataState` right after it;
 * an epoch-end item, after the last step of an epoch.
 
 The feeder is a control plane: the packed rows stay in Ray's object store as the Arrow blocks the
@@ -42,6 +42,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipelines.config import Config
 from pipelines.storage import StorageOptions, filesystem_for
+from pipelines.stream.batch import rank_rows
 from pipelines.stream.blocks import ROW_COLUMNS, RankItem, RowSlice, as_list_columns, chunks_of
 from pipelines.stream.dataset import all_pretokenized, data_report, source_dataset
 from pipelines.stream.ledger import Ledger, LedgerEntry
@@ -78,22 +79,25 @@ class Item:
                            [[ids for p in picks for ids in p.chunk.sample_ids(p.start, p.stop)] for picks in self.ranks])
 
 
-def split_ranks(picked: list[Picked], world: int, k: int) -> list[list[Picked]]:
-    """Cut a step's runs of rows into ``world`` slices of ``k`` rows (the last ones shorter or empty).
+def split_ranks(picked: list[Picked], world: int, step_rows: int) -> list[list[Picked]]:
+    """Cut a step's runs of rows into ``world`` slices of :func:`~pipelines.stream.batch.rank_rows` rows each, in order (at the end
+    of an epoch the last ones are shorter or empty).
 
-    ``[A 0..3, B 0..2]``, 2 ranks x 3 rows -> rank 0 ``[A 0..3]``, rank 1 ``[B 0..2]``;
-    ``[A 0..4, B 0..2]``, 2 x 3 -> ``[A 0..3]``, ``[A 3..4, B 0..2]``.
+    ``[A 0..3, B 0..3]``, 6 rows over 2 ranks -> rank 0 ``[A 0..3]``, rank 1 ``[B 0..3]``;
+    ``[A 0..4, B 0..2]``, 6 over 2 -> ``[A 0..3]``, ``[A 3..4, B 0..2]``; 5 over 2 -> 3 and 2 rows.
     """
+    sizes = rank_rows(step_rows, world)
     ranks: list[list[Picked]] = [[] for _ in range(world)]
-    r, room = 0, k
+    r, room = 0, sizes[0]
     for p in picked:
         start = p.start
         while start < p.stop:
+            while room == 0:  # a rank with no rows this step (fewer rows than ranks)
+                r += 1
+                room = sizes[r]
             n = min(room, p.stop - start)
             ranks[r].append(Picked(p.source, p.chunk, start, start + n))
             start, room = start + n, room - n
-            if room == 0:
-                r, room = r + 1, k
     return ranks
 
 
@@ -118,14 +122,14 @@ class Feeder:
     source of ``spec`` (whose files it then does not read).
     """
 
-    def __init__(self, spec: StreamSpec, world_size: int, rows_per_rank: int, epochs: int,
+    def __init__(self, spec: StreamSpec, world_size: int, step_rows: int, epochs: int,
                  ledger_root: str | None = None, storage: StorageOptions | None = None,
                  progress_bars: bool = False, prefetch_items: int = 16, given: ray.data.Dataset | None = None) -> None:
         data_context = ray.data.DataContext.get_current()  # this process's streams
         data_context.enable_progress_bars = progress_bars
         data_context.print_on_execution_start = progress_bars  # Ray Data's two lines per epoch
         self.spec, self.given = spec, given
-        self.world, self.k, self.epochs = world_size, rows_per_rank, epochs
+        self.world, self.step_rows, self.epochs = world_size, step_rows, epochs
         self.state = fresh_state(spec)
         self.ledger = Ledger(*filesystem_for(ledger_root, storage or StorageOptions())) if ledger_root else None
         self.datasets: list[ray.data.Dataset] = []  # every stream opened (for report)
@@ -221,12 +225,12 @@ class Feeder:
         the next epoch.
         """
         mixer = self._mixer(epoch, states)
-        while picked := mixer.take(self.world * self.k):
+        while picked := mixer.take(self.step_rows):
             step += 1
             state = self._at(epoch, step, states)
             if not mixer.ready():  # that was the epoch's last step
                 state = self._at(epoch, step, states, done=True)
-            self._put(Item(index, "step", epoch, step, split_ranks(picked, self.world, self.k), state))
+            self._put(Item(index, "step", epoch, step, split_ranks(picked, self.world, self.step_rows), state))
             index += 1
         end = self._at(epoch, step, states, done=True)
         self._put(Item(index, "epoch_end", epoch, step, [[] for _ in range(self.world)], end))
@@ -360,7 +364,7 @@ def feeder_concurrency(world_size: int) -> int:
 DataFeeder = ray.remote(num_cpus=0, max_concurrency=feeder_concurrency(28))(Feeder)
 
 
-def start_feeder(spec: StreamSpec | Config, world_size: int, rows_per_rank: int, state: dict | None = None,
+def start_feeder(spec: StreamSpec | Config, world_size: int, step_rows: int, state: dict | None = None,
                  ledger_root: str | None = None, epochs: int | None = None, *, storage: StorageOptions | None = None,
                  progress_bars: bool = False, given: ray.data.Dataset | None = None) -> Any:
     """Create the feeder actor on this node (rank 0 does this; it dies with rank 0's worker group), from
@@ -380,7 +384,7 @@ def start_feeder(spec: StreamSpec | Config, world_size: int, rows_per_rank: int,
         progress_bars = progress_bars or cfg.run.progress_bars
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     feeder = DataFeeder.options(scheduling_strategy=here, max_concurrency=feeder_concurrency(world_size)).remote(
-        spec, world_size, rows_per_rank, 1 if epochs is None else epochs, ledger_root, storage, progress_bars,
+        spec, world_size, step_rows, 1 if epochs is None else epochs, ledger_root, storage, progress_bars,
         given=given)
     if state is not None:
         ray.get(feeder.load_state_dict.remote(state))

@@ -38,9 +38,12 @@ are saved with it and a resume under different ones is refused.
 :func:`check_resume` (the driver, before the workers start) refuses one that cannot resume the run's stream,
 naming what changed, as ``run.on_data_change`` says.
 
-A change of the data-parallel world size with ZeRO (stage >= 1: optimizer state is partitioned per
-rank) is refused before training, naming the ``scaling.num_workers`` to resume with
-(:func:`check_world_size`); ZeRO-0 checkpoints resume at any world size.
+A checkpoint resumes at any world size. With ZeRO stages 1-3 DeepSpeed partitions the optimizer state
+(and at stage 3 the weights) per rank, so a checkpoint saved by 2 workers cannot be loaded as it is by 1:
+it is first converted to DeepSpeed's universal checkpoint format (``deepspeed.checkpoint.ds_to_universal``:
+one fp32 file per parameter with its optimizer moments), which loads at any world size with the optimizer
+state intact (:func:`to_universal`). Each node converts once, into a local folder that is removed after
+the load; an elastic resize and a resume with another ``scaling.num_workers`` take this path alike.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -97,39 +101,74 @@ def save_local(te: TrainEngine, directory: str, state: TrainerState) -> None:
             json.dump(asdict(state), f, indent=2)
 
 
-def saved_layout(directory: str) -> tuple[int | None, int]:
-    """``(world size, ZeRO stage)`` a checkpoint was saved with (from its manifest)."""
-    with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
-        manifest = json.load(f)
-    return manifest.get("world_size"), int(manifest.get("zero_stage") or 0)
+@dataclass(frozen=True)
+class SavedLayout:
+    """How a checkpoint was saved: ``world_size`` ranks (``None``: unknown, an old manifest) at ZeRO ``zero_stage``."""
+
+    world_size: int | None
+    zero_stage: int
+
+    def needs_universal(self, world_size: int) -> bool:
+        """Loading at ``world_size`` needs the universal format: partitioned state saved at another world size."""
+        return self.zero_stage >= 1 and self.world_size is not None and self.world_size != world_size
 
 
-def check_world_size(world_size: int, directory: str) -> None:
-    """Refuse a ZeRO (stage >= 1) checkpoint saved with another data-parallel world size, saying what to run.
+def saved_layout(fs: Any, path: str) -> SavedLayout:
+    """The :class:`SavedLayout` of the checkpoint at ``path`` in ``fs`` (from its manifest)."""
+    manifest = read_json(fs, f"{path}/{MANIFEST}")
+    return SavedLayout(manifest.get("world_size"), int(manifest.get("zero_stage") or 0))
 
-    DeepSpeed partitions the optimizer state per rank at stages 1-3 and cannot load it at another
-    world size; stage 0 checkpoints load at any world size (the data side never depends on it).
+
+def to_universal(ds_dir: str, tag: str, out_dir: str) -> None:
+    """Convert DeepSpeed checkpoint ``ds_dir/tag`` (ZeRO 1-3, any world size) into ``out_dir/tag``, DeepSpeed's
+    universal format. In this process (no process pool: this runs inside a Ray worker); its progress output
+    is dropped, the caller logs one line."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    args = SimpleNamespace(input_folder=os.path.join(ds_dir, tag), output_folder=os.path.join(out_dir, tag),
+                           num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                           inject_missing_state=True)  # our checkpoints carry no Megatron universal info
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
+        ds_to_universal(args)
+
+
+def load_local(te: TrainEngine, directory: str, universal: bool = False, fit_id: str = "") -> TrainerState:
+    """Restore model, optimizer, LR scheduler (DeepSpeed) and trainer state from a merged checkpoint dir.
+
+    ``universal``: the checkpoint was saved at another world size with ZeRO >= 1 (the engine was built with
+    ``load_universal``); the first rank of each node converts it (:func:`to_universal`) into a local folder
+    that every rank of the node loads, collective over all ranks.
     """
-    saved, stage = saved_layout(directory)
-    if not stage or saved == world_size:
-        return
-    raise CheckpointError(
-        f"checkpoint {directory} was saved by {saved} workers with ZeRO stage {stage}, and this run has "
-        f"{world_size}: DeepSpeed's per-rank optimizer partitions cannot be loaded at another world size. "
-        f"Run the same command with scaling.num_workers={saved} to resume (see README, 'Resume')."
-    )
+    import torch.distributed as dist
 
-
-def load_local(te: TrainEngine, directory: str) -> TrainerState:
-    """Restore model, optimizer, LR scheduler (DeepSpeed) and trainer state from a merged checkpoint dir."""
     with open(os.path.join(directory, STATE_FILE), encoding="utf-8") as f:
         state = TrainerState.from_dict(json.load(f))
-    check_world_size(te.world_size, directory)
-    path, client_state = te.engine.load_checkpoint(
-        os.path.join(directory, DS_SUBDIR), tag=f"step_{state.step}",
-        load_optimizer_states=True, load_lr_scheduler_states=True,
-        load_module_strict=not te.adapter.enabled,  # adapter checkpoints hold no frozen base weights
-    )
+    tag, ds_dir = f"step_{state.step}", os.path.join(directory, DS_SUBDIR)
+    converted = None
+    if universal:
+        launched = "LOCAL_RANK" in os.environ  # Ray Train and torchrun set it; alone, each rank converts its own
+        local_rank = int(os.environ["LOCAL_RANK"]) if launched else 0
+        node_key = "" if launched else f"-rank{te.rank}"
+        converted = os.path.join(tempfile.gettempdir(), "pipelines-universal", f"{fit_id or 'x'}-{tag}{node_key}")
+        if local_rank == 0:
+            shutil.rmtree(converted, ignore_errors=True)
+            to_universal(ds_dir, tag, converted)
+        if te.world_size > 1:
+            dist.barrier()
+        ds_dir = converted
+    try:
+        path, client_state = te.engine.load_checkpoint(
+            ds_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True,
+            load_module_strict=not te.adapter.enabled,  # adapter checkpoints hold no frozen base weights
+        )
+    finally:
+        if converted is not None:
+            if te.world_size > 1:
+                dist.barrier()  # every rank of the node has read it
+            shutil.rmtree(converted, ignore_errors=True)
     if path is None:
         raise RuntimeError(f"DeepSpeed found no checkpoint for step {state.step} under {directory}")
     check_adapter_matches(te, (client_state or {}).get(ADAPTER_KEY), directory)
@@ -294,29 +333,57 @@ def latest_in_run_dir(path: str, storage: Any = None) -> tuple[Any, str]:
     return fs, newest_complete(fs, steps[0][1])
 
 
-def restore(te: TrainEngine, resume: str, fit_id: str, storage: Any = None) -> TrainerState:
-    """Apply ``run.resume`` (see the module docstring); returns the state to continue from."""
+@dataclass(frozen=True)
+class ResumeSource:
+    """The checkpoint a worker group resumes from (:func:`resume_source`) and how it was saved."""
+
+    checkpoint: Any  # ray.train.Checkpoint
+    layout: SavedLayout
+    fit_id: str  # the fit() that wrote it: this one's means Ray Train restarted the group (a fault or a resize)
+
+
+def resume_source(resume: str, fit_id: str, storage: Any = None) -> ResumeSource | None:
+    """Apply ``run.resume`` (see the module docstring): the checkpoint to resume from, or ``None`` for a fresh start.
+
+    Found before the engine is built, so that the engine is built for the checkpoint's format
+    (:meth:`SavedLayout.needs_universal`).
+    """
     import ray.train
 
     ckpt = ray.train.get_checkpoint()
-    source = None
     if ckpt is not None:
         path = newer_unregistered(ckpt.filesystem, newest_complete(ckpt.filesystem, ckpt.path))
         saved_fit = read_json(ckpt.filesystem, f"{path}/{STATE_FILE}").get("fit_id", "")
         if resume == "never" and saved_fit != fit_id:
             logger.warning("run.resume=never: ignoring the run directory's checkpoint %s", ckpt.path)
-        else:
-            source = ray.train.Checkpoint(path, filesystem=ckpt.filesystem)
-    elif resume not in ("auto", "never"):
-        path = resume if "://" in resume else os.path.abspath(os.path.expanduser(resume))
-        fs, inner = latest_in_run_dir(path, storage)
-        source = ray.train.Checkpoint(inner, filesystem=fs)
+            return None
+        return ResumeSource(ray.train.Checkpoint(path, filesystem=ckpt.filesystem),
+                            saved_layout(ckpt.filesystem, path), saved_fit)
+    if resume in ("auto", "never"):
+        return None
+    path = resume if "://" in resume else os.path.abspath(os.path.expanduser(resume))
+    fs, inner = latest_in_run_dir(path, storage)
+    return ResumeSource(ray.train.Checkpoint(inner, filesystem=fs), saved_layout(fs, inner),
+                        read_json(fs, f"{inner}/{STATE_FILE}").get("fit_id", ""))
+
+
+def restore(te: TrainEngine, source: ResumeSource | None, fit_id: str) -> TrainerState:
+    """Load ``source`` into the engine (``None``: a fresh state); returns the state to continue from."""
+    import time
+
     if source is None:
         return TrainerState(fit_id=fit_id)
-    with source.as_directory() as d:
-        state = load_local(te, d)
+    universal = source.layout.needs_universal(te.world_size)
+    t0 = time.perf_counter()
+    with source.checkpoint.as_directory() as d:
+        state = load_local(te, d, universal, fit_id)
     if te.rank == 0:
-        print(f"resumed from {source.path} at step {state.step} (epoch {state.epoch})", file=sys.__stdout__, flush=True)
+        how = ""
+        if universal:
+            how = (f"; saved by {source.layout.world_size} workers with ZeRO-{source.layout.zero_stage}, converted to "
+                   f"DeepSpeed's universal checkpoint for {te.world_size} in {time.perf_counter() - t0:.1f}s")
+        print(f"resumed from {source.checkpoint.path} at step {state.step} (epoch {state.epoch}){how}",
+              file=sys.__stdout__, flush=True)
     state.fit_id = fit_id  # later checkpoints belong to this fit()
     return state
 

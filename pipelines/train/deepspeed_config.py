@@ -10,7 +10,7 @@ The batch-shape and optimisation keys always come from ``TrainConfig`` -- it is 
 sets them -- whatever the JSON says (a conflicting explicit value is logged and overridden)::
 
     train_micro_batch_size_per_gpu = train.micro_batch_size
-    gradient_accumulation_steps    = train.gradient_accumulation_steps
+    gradient_accumulation_steps    = the run's accumulation at this world size (pipelines.train.batch)
     train_batch_size               = micro_batch_size * gradient_accumulation_steps * world_size
     gradient_clipping              = train.max_grad_norm          (0 = off)
     bf16.enabled                   = train.bf16
@@ -71,9 +71,16 @@ def _set(cfg: dict[str, Any], key: str, value: Any) -> None:
 
 
 def resolve_deepspeed_config(
-    train: TrainConfig, world_size: int, use_gpu: bool = False, base_dir: str | None = None
+    train: TrainConfig, world_size: int, use_gpu: bool = False, base_dir: str | None = None, *,
+    grad_accum: int | None = None, load_universal: bool = False,
 ) -> dict[str, Any]:
-    """The DeepSpeed config for this run, with batch sizes, clipping and precision from ``train``."""
+    """The DeepSpeed config for this run, with batch sizes, clipping and precision from ``train``.
+
+    ``grad_accum``: micro-batches per step at ``world_size`` (:class:`pipelines.train.batch.BatchLayout`;
+    default ``train.gradient_accumulation_steps``). ``load_universal``: the checkpoint to load is in
+    DeepSpeed's universal format (saved at another world size; :mod:`pipelines.train.checkpoint`).
+    """
+    grad_accum = train.gradient_accumulation_steps if grad_accum is None else grad_accum
     cfg = load_deepspeed_source(train.deepspeed, base_dir)
     for key in ("optimizer", "scheduler"):
         if key in cfg:
@@ -82,8 +89,8 @@ def resolve_deepspeed_config(
                 "train.learning_rate, train.lr_scheduler, ... "
             )
     _set(cfg, "train_micro_batch_size_per_gpu", train.micro_batch_size)
-    _set(cfg, "gradient_accumulation_steps", train.gradient_accumulation_steps)
-    _set(cfg, "train_batch_size", train.micro_batch_size * train.gradient_accumulation_steps * world_size)
+    _set(cfg, "gradient_accumulation_steps", grad_accum)
+    _set(cfg, "train_batch_size", train.micro_batch_size * grad_accum * world_size)
     _set(cfg, "gradient_clipping", float(train.max_grad_norm))
     bf16 = dict(cfg.get("bf16") or {})
     if bf16.get("enabled", "auto") not in ("auto", train.bf16):
@@ -98,6 +105,8 @@ def resolve_deepspeed_config(
     cfg["zero_optimization"] = zero
     cfg.setdefault("zero_allow_untested_optimizer", True)  # the client AdamW is "untested" in DS's eyes
     cfg.setdefault("steps_per_print", 10**9)  # we log ourselves
+    if load_universal:
+        cfg["checkpoint"] = {**(cfg.get("checkpoint") or {}), "load_universal": True}
     _reject_leftover_auto(cfg)
     return cfg
 

@@ -3,7 +3,7 @@
 Rank 0 starts the ``DataFeeder`` from the checkpoint's data state and shares its handle with the
 other ranks (a ``broadcast_object_list``); the feeder dies with rank 0, so a restarted worker group
 always starts a fresh one from the checkpoint it restored. Each optimizer step takes one item: this
-rank's ``micro_batch_size x gradient_accumulation_steps`` rows (fewer at the end of an epoch; the
+rank's share of the step's global batch (:mod:`pipelines.stream.batch`; fewer at the end of an epoch; the
 step pads with no-loss micro-batches), collated here. The item holds block references and row
 ranges; this rank fetches its rows from the object store itself (zero-copy on the same node) and
 splits the Arrow list columns into per-row numpy views by their offsets -- no Python ints::
@@ -32,7 +32,7 @@ from pipelines.stream.spec import StreamSpec
 UNBOUNDED_EPOCHS = 1 << 30
 
 
-def share_feeder(cfg: Config, spec: StreamSpec, rank: int, world: int, rows_per_rank: int, saved: dict | None,
+def share_feeder(cfg: Config, spec: StreamSpec, rank: int, world: int, step_rows: int, saved: dict | None,
                  step: int, epoch: int, ledger_root: str, given: Any = None) -> tuple[Any, int]:
     """Rank 0 starts the feeder from a checkpoint's data state ``saved`` (taken at ``step`` in ``epoch``; see
     :meth:`pipelines.stream.feeder.Feeder.resume`); every rank gets its handle and the epoch training
@@ -42,7 +42,7 @@ def share_feeder(cfg: Config, spec: StreamSpec, rank: int, world: int, rows_per_
     box: list[Any] = [None, epoch]
     if rank == 0:
         epochs = cfg.train.epochs if cfg.train.max_steps is None else UNBOUNDED_EPOCHS
-        feeder = start_feeder(spec, world, rows_per_rank, None, ledger_root, epochs,
+        feeder = start_feeder(spec, world, step_rows, None, ledger_root, epochs,
                               storage=StorageOptions.from_config(cfg.storage), progress_bars=cfg.run.progress_bars,
                               given=given)
         resumed = ray.get(feeder.resume.remote(saved, step, epoch, cfg.run.on_data_change, f"step {step}"))

@@ -25,11 +25,20 @@ import tempfile
 import time
 from typing import Any
 
+import torch.distributed as dist
+
 from pipelines.config import Config, config_from_dict
 from pipelines.console import setup_worker_console
 from pipelines.storage import StorageOptions
 from pipelines.stream.spec import StreamSpec
-from pipelines.train.checkpoint import TrainerState, checkpoint_dir_name, report_checkpoint, restore
+from pipelines.train.checkpoint import (
+    ResumeSource,
+    TrainerState,
+    checkpoint_dir_name,
+    report_checkpoint,
+    restore,
+    resume_source,
+)
 from pipelines.train.export import export_run
 from pipelines.train.faults import maybe_fail
 from pipelines.train.feed import StepFeed, share_feeder
@@ -40,6 +49,8 @@ from pipelines.train.metrics import (
     Window,
     engine_summary,
     format_line,
+    read_metrics,
+    recovery_record,
     startup_line,
 )
 from pipelines.train.step import (
@@ -80,9 +91,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         device = ray.train.torch.get_device()
     clock.mark("workers")  # Ray Train's worker group is up (and its process group joined)
     init_distributed(cfg.scaling.use_gpu, device)
-    te = build_engine(cfg)
+    source = resume_source(cfg.run.resume, config["fit_id"], cfg.storage)
+    te = build_engine(cfg, load_universal=source is not None and source.layout.needs_universal(dist.get_world_size()))
     clock.mark("engine")
-    state = restore(te, cfg.run.resume, config["fit_id"], cfg.storage)
+    state = restore(te, source, config["fit_id"])
     clock.mark("restore")
     if te.rank == 0:
         backend = "nccl" if cfg.scaling.use_gpu else "gloo"
@@ -91,13 +103,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                                   took=clock.between("workers", "engine"))):
             print(line, file=sys.__stdout__, flush=True)
     eval_shard = ray.train.get_dataset_shard("eval") if config.get("has_eval") else None
-    rows_per_rank = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps
-    # Rank 0's feeder resumes from the checkpoint's data state (under run.on_data_change) before any training.
-    feeder, state.epoch = share_feeder(cfg, config["spec"], te.rank, te.world_size, rows_per_rank, state.data_state,
-                                       state.step, state.epoch, f"{run_dir(cfg)}/ledger", config.get("given"))
+    # Rank 0's feeder resumes from the checkpoint's data state (under run.on_data_change) before any training;
+    # a step takes the run's global batch, whatever the world size (pipelines.stream.batch).
+    feeder, state.epoch = share_feeder(cfg, config["spec"], te.rank, te.world_size, te.layout.step_rows,
+                                       state.data_state, state.step, state.epoch, f"{run_dir(cfg)}/ledger",
+                                       config.get("given"))
     train = StepFeed(feeder, te.rank, cfg.train.micro_batch_size, te.collate_fn())
     clock.mark("feeder")
-    WorkerLoop(cfg, te, state, train, eval_shard, clock).run()
+    WorkerLoop(cfg, te, state, train, eval_shard, clock, source).run()
 
 
 class NoTrainingData(RuntimeError):
@@ -108,19 +121,22 @@ class WorkerLoop:
     """The epoch/step loop of one worker and its periodic side jobs (log, eval, checkpoint)."""
 
     def __init__(self, cfg: Config, te: TrainEngine, state: TrainerState, train: StepFeed, eval_shard=None,
-                 clock: Clock | None = None):
-        self.cfg, self.te, self.state = cfg, te, state
+                 clock: Clock | None = None, source: ResumeSource | None = None):
+        self.cfg, self.te, self.state, self.source = cfg, te, state, source
         self.clock = clock or Clock(time.time())
         self.totals = RunTotals()
         self.train, self.eval_shard = train, eval_shard
         self.run_dir = run_dir(cfg)
         self.storage = StorageOptions.from_config(cfg.storage)
         self.out = OutputDir(self.run_dir, self.storage) if te.rank == 0 else None
+        # This fit's earlier attempts, as rank 0 logged them (before this one appends): what a restart redid.
+        self.earlier = read_metrics(self.out.local) if self.out is not None else []
         self.metrics = MetricsWriter(self.out, cfg, self.run_dir)
         self.window = Window()
         self.last_record: dict[str, Any] = {}
         self.last_eval: dict[str, Any] = {}
         self.last_checkpoint: str | None = None
+        self.recovery: dict[str, Any] | None = None  # this attempt's recovery record (rank 0)
         self.checkpointed_step = -1
         self.steps_this_fit = 0
         # Markers of the faults PIPELINES_FAULTS injects (pipelines.train.faults): the run directory, or for
@@ -132,12 +148,15 @@ class WorkerLoop:
 
     def run(self) -> None:
         self.clock.mark("loop")
+        self.resumed_step = self.state.step
         params = self.te.params  # printed on rank 0's "engine ready" line (engine_summary)
         self.metrics.write({"kind": "params", "step": self.state.step, "trainable_params": params.trainable,
                             "total_params": params.total, "trainable_fraction": params.fraction,
                             "adapter": self.te.adapter.type})
         if self.state.step:  # restored from a checkpoint: mark it in metrics.jsonl
-            self.metrics.write({"kind": "resume", "step": self.state.step, "epoch": self.state.epoch})
+            saved = self.source.layout.world_size if self.source is not None else None
+            self.metrics.write({"kind": "resume", "step": self.state.step, "epoch": self.state.epoch,
+                                "world_size": self.te.world_size, "saved_world_size": saved})
         if self._done():
             self._print(f"step {self.state.step} already reached the end (train.max_steps/epochs); "
                         "set run.resume=never or a new run.name to train again")
@@ -282,6 +301,23 @@ class WorkerLoop:
                                  took=stats.data_wait_s))
         self._print(startup_line(self.clock.at("first_step"), "first step", f"loss {stats.loss:.4f}",
                                  took=self.totals.first_step_s))
+        if self.source is not None and self.source.fit_id == self.state.fit_id:
+            self._recovered()
+
+    def _recovered(self) -> None:
+        """Ray Train restarted this fit's worker group (a fault, a lost node, an elastic resize): log what it
+        cost, from rank 0's last logged step before it (a log step, so the steps redone are counted from there)."""
+        rec = recovery_record(self.earlier, self.state.fit_id, self.resumed_step, self.source.layout.world_size,
+                              self.te.world_size, time.time())
+        if rec is None or self.te.rank != 0:
+            return
+        self.recovery = rec
+        self.metrics.write(rec)
+        what = (f"resized {rec['from_workers']} -> {rec['to_workers']} workers" if rec["resized"]
+                else f"restarted with {rec['to_workers']} workers")
+        self._print(startup_line(self.clock.now(), f"{what}: resumed at step {rec['step']}, "
+                                 f"{rec['steps_redone']} steps redone, {rec['time_lost_s']:.1f}s from the last "
+                                 "logged step to this one"))
 
     def _data_quality(self) -> dict[str, Any]:
         """The feeder's data-quality counters (none for a given dataset)."""
@@ -299,6 +335,9 @@ class WorkerLoop:
             "kind": "summary",
             "step": self.state.step,
             "steps_this_run": self.steps_this_fit,
+            "world_size": self.te.world_size,
+            "recoveries": [r for r in self.earlier if r.get("kind") == "recovery"
+                           and r.get("fit_id") == self.state.fit_id] + ([self.recovery] if self.recovery else []),
             "epochs": self.state.epoch,
             "tokens": self.state.tokens,
             "tokens_this_run": self.totals.tokens,

@@ -103,9 +103,10 @@ class MetricsWriter:
                 self.trackers = Trackers(cfg, run_dir, out.local)
 
     def write(self, rec: dict[str, Any]) -> None:
+        """One record: a line of metrics.jsonl (with ``time``, the wall clock) and the trackers' scalars."""
         if self.out is None:
             return
-        self._jsonl.write(json.dumps(rec) + "\n")
+        self._jsonl.write(json.dumps({**rec, "time": round(time.time(), 3)}) + "\n")
         self._jsonl.flush()
         if self.trackers is not None:
             self.trackers.log(rec)
@@ -121,6 +122,42 @@ class MetricsWriter:
         if self.trackers is not None:
             self.trackers.close()
         self.out.sync()
+
+
+def read_metrics(local_dir: str) -> list[dict[str, Any]]:
+    """The records of ``<local_dir>/metrics.jsonl`` so far (``[]`` when there is none; a torn last line is skipped)."""
+    path = os.path.join(local_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # the line a killed rank 0 was writing
+    return out
+
+
+def recovery_record(earlier: list[dict[str, Any]], fit_id: str, resumed_step: int, saved_world: int | None,
+                    world: int, now: float) -> dict[str, Any] | None:
+    """What a restart of this fit's worker group cost, from rank 0's records before it (``earlier``).
+
+    The last train record of the attempt before the restart is the last step known trained (logged every
+    ``train.log_every_steps``); ``steps_redone`` counts the steps after the checkpoint up to it, and
+    ``time_lost_s`` the wall time from it to the first step after the restart (``now``), which includes
+    noticing the fault, placing the workers again, building the engine and loading the checkpoint.
+    ``None`` when nothing was logged since the restored step (no measure).
+    """
+    starts = [i for i, r in enumerate(earlier) if r.get("kind") == "params"]  # each attempt starts with one
+    attempt = earlier[starts[-1]:] if starts else earlier
+    last = next((r for r in reversed(attempt) if r.get("kind") == "train" and "time" in r), None)
+    if last is None:
+        return None
+    return {"kind": "recovery", "fit_id": fit_id, "step": resumed_step, "from_workers": saved_world,
+            "to_workers": world, "resized": saved_world is not None and saved_world != world,
+            "last_logged_step": last["step"], "steps_redone": max(0, last["step"] - resumed_step),
+            "time_lost_s": round(now - last["time"], 1)}
 
 
 # --------------------------------------------------------------------------- start-up lines and summary

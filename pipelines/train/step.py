@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from pipelines.config import AdapterConfig, Config
+from pipelines.stream.batch import BatchLayout, batch_layout
 from pipelines.train.adapter import ParamCount, apply_adapter, count_params
 from pipelines.train.collate import CollateMode, PackedCollate, collate_rows, dummy_batch
 from pipelines.train.deepspeed_config import resolve_deepspeed_config, zero_stage
@@ -156,6 +157,7 @@ class TrainEngine:
     world_size: int
     rank: int
     grad_accum: int
+    layout: BatchLayout
     attn_implementation: str
     adapter: AdapterConfig = field(default_factory=AdapterConfig)  # model.adapter (type none: full fine-tuning)
     params: ParamCount = ParamCount(0, 0)  # trainable / total, counted before DeepSpeed wraps the model
@@ -172,14 +174,21 @@ class TrainEngine:
         return dummy_batch(self.collate_mode, self.tokenizer.pad_token_id, self.mask_dtype)
 
 
-def build_engine(cfg: Config) -> TrainEngine:
-    """Tokenizer, model, AdamW, LR schedule and DeepSpeed engine for this rank (process group must exist)."""
+def build_engine(cfg: Config, load_universal: bool = False) -> TrainEngine:
+    """Tokenizer, model, AdamW, LR schedule and DeepSpeed engine for this rank (process group must exist).
+
+    The accumulation follows from the global batch at this world size (:mod:`pipelines.train.batch`).
+    ``load_universal``: the checkpoint this engine will load was saved at another world size and is
+    converted to DeepSpeed's universal format first (:mod:`pipelines.train.checkpoint`).
+    """
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     train = cfg.train
     world_size = dist.get_world_size()
-    ds_config = resolve_deepspeed_config(train, world_size, cfg.scaling.use_gpu, cfg.base_dir)
+    layout = batch_layout(train, cfg.scaling, world_size)
+    ds_config = resolve_deepspeed_config(train, world_size, cfg.scaling.use_gpu, cfg.base_dir,
+                                         grad_accum=layout.grad_accum, load_universal=load_universal)
     keepalive = _zero3_loading_context(ds_config, pretrained=cfg.model.init is None)
     attn = resolve_attn_implementation(cfg.model.attn_implementation, cfg.scaling.use_gpu)
     tokenizer = load_tokenizer(cfg.model)
@@ -214,7 +223,8 @@ def build_engine(cfg: Config) -> TrainEngine:
         device=torch.device(get_accelerator().current_device_name()),
         world_size=world_size,
         rank=dist.get_rank(),
-        grad_accum=train.gradient_accumulation_steps,
+        grad_accum=layout.grad_accum,
+        layout=layout,
         attn_implementation=attn,
         adapter=cfg.model.adapter,
         params=params,

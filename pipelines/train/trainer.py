@@ -5,7 +5,7 @@
     trainer = build_trainer(cfg)       # needs Ray (build_dataset creates the lazy ray.data pipeline)
     result = trainer.fit()
 
-Mapping from the config: ``scaling.*`` -> ``ScalingConfig``; ``run.name``/``run.storage_path`` -> the
+Mapping from the config: ``scaling.*`` -> ``ScalingConfig`` (``num_workers: [min, max]``: elastic); ``run.name``/``run.storage_path`` -> the
 run directory; ``run.max_failures`` -> ``FailureConfig``; ``run.keep_checkpoints`` ->
 ``CheckpointConfig(num_to_keep)``. CPU workers use gloo and get ``DS_ACCELERATOR=cpu`` in their
 runtime env; GPU workers use NCCL.
@@ -19,6 +19,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from pipelines.config import Config, ConfigError
+from pipelines.stream.batch import batch_layout
 from pipelines.stream.spec import build_spec, given_spec
 from pipelines.train.adapter import preflight_adapter
 from pipelines.train.checkpoint import check_resume
@@ -39,7 +40,8 @@ def has_eval(cfg: Config) -> bool:
 def preflight(cfg: Config) -> None:
     """Checks that need no cluster; raises :class:`ConfigError` naming the key."""
     try:
-        resolve_deepspeed_config(cfg.train, cfg.scaling.num_workers, cfg.scaling.use_gpu, cfg.base_dir)
+        resolve_deepspeed_config(cfg.train, cfg.scaling.max_workers, cfg.scaling.use_gpu, cfg.base_dir,
+                                 grad_accum=batch_layout(cfg.train, cfg.scaling, cfg.scaling.max_workers).grad_accum)
     except (ValueError, OSError) as err:
         raise ConfigError(str(err)) from None
     if cfg.model.attn_implementation == "flash_attention_2" and not cfg.scaling.use_gpu:
@@ -61,6 +63,17 @@ def _worker_env(use_gpu: bool) -> dict[str, Any] | None:
     if os.environ.get(FAULTS_ENV):
         env[FAULTS_ENV] = os.environ[FAULTS_ENV]
     return {"env_vars": env} if env else None
+
+
+def scaling_config(cfg: Config):  # -> ray.train.ScalingConfig
+    """``scaling.*`` as Ray Train's ``ScalingConfig``; ``num_workers: [min, max]`` is an elastic worker group
+    (Ray Train's ``ElasticScalingPolicy``), checked for growth every ``scaling.resize_check_s``."""
+    import ray.train
+
+    s = cfg.scaling
+    return ray.train.ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu,
+                                   resources_per_worker=s.resources_per_worker,
+                                   elastic_resize_monitor_interval_s=s.resize_check_s)
 
 
 def _ingest_options(cfg: Config):  # -> ray.data.ExecutionOptions
@@ -132,11 +145,7 @@ def build_trainer(
         train_loop_config=payload(cfg, spec, fit_id=uuid.uuid4().hex, has_eval=eval_dataset is not None,
                                   given=train_dataset, started_at=time.time() if started_at is None else started_at),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=cfg.scaling.num_workers,
-            use_gpu=use_gpu,
-            resources_per_worker=cfg.scaling.resources_per_worker,
-        ),
+        scaling_config=scaling_config(cfg),
         run_config=run_config,
         datasets=datasets or None,
         dataset_config=ray.train.DataConfig(execution_options=_ingest_options(cfg)),
