@@ -527,6 +527,14 @@ class Config(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _elastic_restarts(self) -> Config:
+        if self.scaling.elastic and self.run.max_failures == 0:
+            raise ValueError("scaling.num_workers: an elastic run restarts its worker group when a worker or node is "
+                             "lost, and run.max_failures=0 forbids any restart; set run.max_failures (e.g. -1: no "
+                             "limit, or 10)")
+        return self
+
+    @model_validator(mode="after")
     def _one_global_batch(self) -> Config:
         t = self.train
         if t.global_batch_size is None:

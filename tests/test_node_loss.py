@@ -72,3 +72,46 @@ def test_node_loss_without_max_failures_fails_clearly_and_records_only_trained_s
     steps = [e.step for e in entries]
     assert entries and steps in (list(range(1, ckpts[-1] + 1)), list(range(1, ckpts[-1] + 3))), (ckpts, steps)
     assert set(sample_counts(entries).values()) == {1}
+
+
+def _step_losses(tmp_path: Path, name: str) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = {}
+    for r in _metrics(tmp_path, name):
+        if r["kind"] == "train":
+            out.setdefault(r["step"], []).append(r["loss"])
+    return out
+
+
+def test_an_elastic_run_shrinks_to_one_worker_and_grows_back_exactly_once_on_the_same_loss_curve(tmp_path):
+    res = _run(tmp_path, "elastic")
+    assert res["ok"], res
+    events = {k: e for e in res["events"] for k in e}
+    assert events["train_worker_nodes"]["train_worker_nodes"] == ["train-a", "train-b"], res["events"]
+    assert "shrunk_to" in events and "grown_to" in events, res["events"]
+    entries = _ledger(tmp_path, res["name"])
+    _assert_exactly_once(entries)
+    metrics = _metrics(tmp_path, res["name"])
+    resumes = [(r["saved_world_size"], r["world_size"]) for r in metrics if r["kind"] == "resume"]
+    assert (2, 1) in resumes and (1, 2) in resumes, resumes
+    summary = [r for r in metrics if r["kind"] == "summary"][-1]
+    assert summary["step"] == len(entries) and summary["world_size"] == 2
+    sizes = [(r["from_workers"], r["to_workers"]) for r in summary["recoveries"]]
+    assert sizes == [(2, 1), (1, 2)], summary["recoveries"]
+    assert all(r["resized"] and r["time_lost_s"] > 0 and r["steps_redone"] >= 0 for r in summary["recoveries"])
+    # The same global batch at 1 and 2 workers: every step's loss (redone steps too) follows the
+    # uninterrupted 2-worker run's, to reduction order.
+    elastic, reference = _step_losses(tmp_path, res["name"]), _step_losses(tmp_path, "nodeloss_elastic_ref")
+    assert sorted(elastic) == sorted(reference) == list(range(1, len(entries) + 1))
+    for step, losses in elastic.items():
+        assert losses == pytest.approx([reference[step][0]] * len(losses), rel=1e-4), step
+
+
+def test_an_elastic_run_below_its_min_workers_fails_after_the_timeout_recording_only_trained_steps(tmp_path):
+    res = _run(tmp_path, "min_workers")
+    assert not res["ok"], res
+    assert "scaling.min_workers_timeout_s" in res["error"] and "min of 2 workers" in res["error"], res["error"]
+    entries = _ledger(tmp_path, res["name"])
+    ckpts = _checkpoint_steps(tmp_path, res["name"])
+    steps = [e.step for e in entries]
+    assert entries and steps in (list(range(1, ckpts[-1] + 1)), list(range(1, ckpts[-1] + 3))), (ckpts, steps)
+    assert set(sample_counts(entries).values()) == {1}

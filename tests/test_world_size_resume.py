@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -41,6 +42,7 @@ def _cfg(deepspeed, adapter) -> dict:
                   **({"adapter": adapter} if adapter else {})},
         "data": {"datasets": [{"path": "unused.jsonl"}], "sequence_len": 64},
         "scaling": {"num_workers": [1, 2]},
+        "run": {"max_failures": -1},
         "train": {"micro_batch_size": 1, "global_batch_size": STEP_ROWS, "learning_rate": 1e-2, "deepspeed": deepspeed,
                   "bf16": False, "max_grad_norm": 1.0, "warmup_steps": 1, "lr_scheduler": "cosine",
                   "max_steps": STEPS, "weight_decay": 0.01},
@@ -71,7 +73,7 @@ def _phase(rank: int, world: int, port: int, cfg_raw: dict, out: str, start: int
     cfg = config_from_dict(cfg_raw)
     init_distributed(use_gpu=False)
     resumed = os.path.join(out, f"ckpt_{start}")
-    universal = start > 0 and json.load(open(os.path.join(resumed, "manifest.json")))["world_size"] != world
+    universal = start > 0 and json.loads(Path(resumed, "manifest.json").read_text())["world_size"] != world
     te = build_engine(cfg, load_universal=universal)
     assert te.grad_accum == STEP_ROWS // world  # the global batch is kept: accumulation makes up the difference
     if start:

@@ -336,8 +336,9 @@ class WorkerLoop:
             "step": self.state.step,
             "steps_this_run": self.steps_this_fit,
             "world_size": self.te.world_size,
-            "recoveries": [r for r in self.earlier if r.get("kind") == "recovery"
-                           and r.get("fit_id") == self.state.fit_id] + ([self.recovery] if self.recovery else []),
+            "recoveries": [{k: v for k, v in r.items() if k != "time"} for r in self.earlier
+                           if r.get("kind") == "recovery" and r.get("fit_id") == self.state.fit_id]
+                          + ([self.recovery] if self.recovery else []),
             "epochs": self.state.epoch,
             "tokens": self.state.tokens,
             "tokens_this_run": self.totals.tokens,

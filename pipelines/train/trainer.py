@@ -76,6 +76,14 @@ def scaling_config(cfg: Config):  # -> ray.train.ScalingConfig
                                    elastic_resize_monitor_interval_s=s.resize_check_s)
 
 
+def _min_workers_timeout(cfg: Config):  # -> pipelines.train.elastic.MinWorkersTimeout
+    from pipelines.train.elastic import MinWorkersTimeout
+
+    s = cfg.scaling
+    resources = s.resources_per_worker or ({"CPU": 1.0, "GPU": 1.0} if s.use_gpu else {"CPU": 1.0})
+    return MinWorkersTimeout(s.min_workers, s.min_workers_timeout_s, resources)
+
+
 def _ingest_options(cfg: Config):  # -> ray.data.ExecutionOptions
     """Execution options for the datasets handed to Ray Train (eval).
 
@@ -136,6 +144,7 @@ def build_trainer(
         storage_path=storage_path,
         storage_filesystem=storage_filesystem,
         failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
+        callbacks=[_min_workers_timeout(cfg)] if cfg.scaling.elastic else None,
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
         worker_runtime_env=_worker_env(use_gpu),
         logging_config=ray.train.LoggingConfig(log_level=cfg.run.ray_log_level),  # rank 0 prints our own lines
