@@ -378,6 +378,9 @@ class TrainConfig(_Strict):
     seed: int = Field(0, description="Seed of torch on every worker.")
     log_every_steps: int = Field(10, gt=0, description="One log line (and metrics.jsonl record) per this many steps.")
     checkpoint_every_steps: int | None = Field(None, gt=0, description="Checkpoint (model, optimizer, data position) every this many steps; the run always ends on one.")
+    checkpoint_every_minutes: float | None = Field(
+        None, gt=0, description="Also checkpoint when this many minutes passed since the last checkpoint (at the next "
+        "step). A preemption notice (a Ray node drain) always checkpoints at the next step.")
     eval_every_steps: int | None = Field(None, gt=0, description="Evaluate on the eval split every this many steps.")
     eval_max_batches: int | None = Field(None, gt=0, description="Cap on eval micro-batches per rank.")
     prefetch_batches: int = Field(2, ge=0, description="Eval batches each worker prefetches from its eval shard (the "
@@ -462,6 +465,9 @@ class RunConfig(_Strict):
     storage_path: str = Field("runs", description="Local directory or s3:// URL for checkpoints and outputs.")
     resume: str = Field("auto", description="auto | never | <checkpoint path>.")
     keep_checkpoints: int = Field(2, gt=0, description="Checkpoints kept in the run directory (CheckpointConfig.num_to_keep).")
+    checkpoint_upload: Literal["async", "sync"] = Field(
+        "async", description="async: a checkpoint is written locally and training goes on while Ray Train copies it to "
+        "the run directory (registered when every rank's copy is done); sync: every rank waits for the copy.")
     max_failures: int = Field(0, ge=-1, description="Ray Train FailureConfig.max_failures (-1: forever).")
     export_model: bool = Field(True, description="Write a Hugging Face model + tokenizer at the end.")
     progress_bars: bool = Field(

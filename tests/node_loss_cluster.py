@@ -24,6 +24,10 @@ Scenarios:
   to 2 again. Then a reference run, 2 workers from start to end, trains the same data for the loss curve.
 * ``min_workers``: ``scaling.num_workers: [2, 3]``; kill a training node with no replacement: one worker
   can be placed, fewer than the min, and the run fails after ``scaling.min_workers_timeout_s``.
+* ``preempt``: ``scaling.num_workers: [1, 2]``, no periodic checkpoints. A spot reclaim with notice: the node of
+  rank 0 and the feeder is drained with reason preemption and a 60 s deadline, with the command the KubeRay
+  manifest's preStop hook runs on the pod's SIGTERM; once the run has checkpointed for the notice, the node
+  goes. The group restarts with 1 worker from that checkpoint.
 
 Prints one ``NODE_LOSS {...}`` JSON line: what was killed, the fit's outcome and error.
 """
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -55,6 +60,9 @@ TRAIN_NODE = {"num_cpus": 1, "resources": {"train_node": 1}}
 # amplifies that rounding noise step by step: over this run's 32 steps the largest relative loss difference to
 # the uninterrupted run was 4.3e-5 at 3e-4, 9.6e-5 at 1e-3 and 2.0e-3 at 3e-3 (measured on this tiny model).
 LOSS_CURVE_LR = 3e-4
+# A spot reclaim's notice, as the preStop hook of cluster/kuberay/rayjob-elastic.yaml gives it.
+DRAIN_ARGS = ["--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim (SIGTERM)",
+              "--deadline-remaining-seconds", "60"]
 
 
 def _actors(class_name: str) -> dict[str, str]:
@@ -123,6 +131,8 @@ class Chaos:
     def run(self) -> None:
         if self.scenario in ("elastic", "min_workers"):
             return self.shrink_and_grow()
+        if self.scenario == "preempt":
+            return self.preempt()
         try:
             # Checkpoint 2 (step 4) is in the ledger once its data state is taken, before it is saved
             # (the ledger is written ahead), so wait for its directory too: killed before that, the run
@@ -148,6 +158,25 @@ class Chaos:
             self.error = traceback.format_exc()
             print("CHAOS_ERROR " + self.error, flush=True)
 
+
+    def preempt(self) -> None:
+        try:
+            _wait("step 3", lambda: max((r["step"] for r in self._records("train")), default=0) >= 3)
+            feeder = set(_actors("Feeder").values())
+            holder = [k for k, n in self.nodes.items() if k.startswith("train") and n.node_id in feeder][0]
+            # What cluster/kuberay/rayjob-elastic.yaml's preStop hook runs in the pod (there without --node-id:
+            # the pod's own node).
+            subprocess.run(["ray", "drain-node", "--address", self.cluster.address, "--node-id",
+                            self.nodes[holder].node_id, *DRAIN_ARGS], check=True, capture_output=True, text=True,
+                           env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+            self._event(drained=holder, at_step=max(r["step"] for r in self._records("train")))
+            _wait("the checkpoint for the notice", lambda: any("preemption notice" in r["reason"]
+                                                                for r in self._records("checkpoint")), timeout=60)
+            self._event(noticed=[r for r in self._records("checkpoint") if "preemption" in r["reason"]][0]["step"])
+            self._kill(holder, None)  # the reclaim
+        except BaseException:
+            self.error = traceback.format_exc()
+            print("CHAOS_ERROR " + self.error, flush=True)
 
     def shrink_and_grow(self) -> None:
         try:
@@ -182,9 +211,9 @@ def _scenario_config(tmp: Path, name: str, scenario: str):
     if scenario in ("recover", "fail"):
         return _config(tmp, name, 2, checkpoint_every_steps=2, max_failures=3 if scenario == "recover" else 0,
                        **placed)
-    workers = [1, 2] if scenario in ("elastic", "elastic_ref") else [2, 3]
-    cfg = _config(tmp, name, workers if scenario != "elastic_ref" else 2, checkpoint_every_steps=2, max_failures=-1,
-                  deepspeed="zero2", learning_rate=LOSS_CURVE_LR, **placed)
+    workers = [2, 3] if scenario == "min_workers" else [1, 2]
+    cfg = _config(tmp, name, workers if scenario != "elastic_ref" else 2, max_failures=-1, deepspeed="zero2",
+                  checkpoint_every_steps=None if scenario == "preempt" else 2, learning_rate=LOSS_CURVE_LR, **placed)
     cfg.scaling.resize_check_s = 2.0
     cfg.scaling.min_workers_timeout_s = 45.0
     return cfg

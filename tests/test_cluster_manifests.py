@@ -339,9 +339,9 @@ def configs_for_kuberay_cluster() -> list[Path]:
     return out
 
 
-def only(kind: str) -> dict[str, Any]:
-    """The single manifest of ``kind`` under cluster/kuberay/."""
-    docs = [d for _, d in MANIFESTS if d.get("kind") == kind]
+def only(kind: str, elastic: bool = False) -> dict[str, Any]:
+    """The single manifest of ``kind`` under cluster/kuberay/ (``elastic``: of the spot-node run, ``*-elastic.yaml``)."""
+    docs = [d for name, d in MANIFESTS if d.get("kind") == kind and ("-elastic." in name) == elastic]
     assert len(docs) == 1, f"expected one {kind} manifest, found {len(docs)}"
     return docs[0]
 
@@ -756,3 +756,64 @@ def test_anyscale_sdk_accepts_configs() -> None:
     _rename(broken, "entrypoint", "entrypoints")
     with pytest.raises(TypeError, match="entrypoints"):
         job_models.JobConfig.from_dict(broken)
+
+
+# --------------------------------------------------------------------------- the elastic run on spot nodes
+
+
+def _gpu_group(spec: dict[str, Any]) -> dict[str, Any]:
+    (group,) = [g for _, g in groups_of(spec) if GPU_KEY in containers(g["template"]["spec"])[0]["resources"]["limits"]]
+    return group
+
+
+def test_elastic_rayjob_scales_its_spot_gpu_group_over_the_configs_worker_range() -> None:
+    """The elastic RayJob autoscales a spot GPU group whose replicas hold exactly ``scaling.num_workers``'
+    [min, max] trainers, and its config restarts without limit and checkpoints by the clock too."""
+    job = only("RayJob", elastic=True)
+    spec = job["spec"]["rayClusterSpec"]
+    cfg = load_config(entrypoint_config(job["spec"]["entrypoint"]))
+    assert spec["enableInTreeAutoscaling"] is True and cfg.scaling.elastic
+    assert cfg.run.max_failures == -1 and cfg.train.checkpoint_every_minutes
+    assert cfg.train.global_batch_size is not None and cfg.train.global_batch_size >= cfg.scaling.max_workers
+    gpu = _gpu_group(spec)
+    per_node = NodeGroup("gpu", 1, {"CPU": float(gpu["rayStartParams"]["num-cpus"]),
+                                    "GPU": parse_quantity(containers(gpu["template"]["spec"])[0]["resources"]
+                                                          ["limits"][GPU_KEY]), **ray_custom_resources(gpu)})
+    trainers = per_node.fits(cfg.scaling.resources_per_worker)
+    assert (gpu["minReplicas"] * trainers, gpu["maxReplicas"] * trainers) == cfg.scaling.num_workers
+    assert gpu["template"]["spec"]["nodeSelector"], "the GPU group is pinned to spot nodes"
+    shape = kuberay_node_groups(spec)  # with the GPU group at its max: the tokenizers still fit their nodes
+    for g in shape:
+        if g.name == "gpu-train":
+            g.count = gpu["maxReplicas"]
+    assert placement_problems(cfg, shape) == []
+
+
+def test_elastic_gpu_pods_turn_their_termination_into_a_preemption_drain() -> None:
+    """A reclaimed GPU pod drains its Ray node (reason preemption, with a deadline) before it goes, and
+    gets the grace period to let the trainers checkpoint; the other pods have no such hook."""
+    spec = only("RayJob", elastic=True)["spec"]["rayClusterSpec"]
+    pod = _gpu_group(spec)["template"]["spec"]
+    command = " ".join(containers(pod)[0]["lifecycle"]["preStop"]["exec"]["command"])
+    assert "ray drain-node" in command and "--reason DRAIN_NODE_REASON_PREEMPTION" in command
+    deadline = int(re.search(r"--deadline-remaining-seconds (\d+)", command).group(1))
+    sleep = int(re.search(r"sleep (\d+)", command).group(1))
+    assert sleep < deadline <= pod["terminationGracePeriodSeconds"], (sleep, deadline)
+    for name, group in groups_of(spec):
+        if group is not _gpu_group(spec):
+            assert "lifecycle" not in containers(group["template"]["spec"])[0], name
+
+
+def test_elastic_anyscale_compute_prefers_spot_gpus_over_the_worker_range() -> None:
+    compute = yaml.safe_load((ANYSCALE_DIR / "compute-elastic.yaml").read_text(encoding="utf-8"))
+    job = yaml.safe_load((ANYSCALE_DIR / "job-elastic.yaml").read_text(encoding="utf-8"))
+    cfg = load_config(entrypoint_config(job["entrypoint"]))
+    assert job["entrypoint"] == only("RayJob", elastic=True)["spec"]["entrypoint"]
+    assert {k: v for k, v in job.items() if k not in ("name", "entrypoint", "compute_config")} == {
+        k: v for k, v in anyscale_job().items() if k not in ("name", "entrypoint", "compute_config")}
+    (gpu,) = [g for g in compute["worker_nodes"] if g["resources"].get("GPU")]
+    assert gpu["market_type"] == "PREFER_SPOT"
+    trainers = NodeGroup("gpu", 1, {k: float(v) for k, v in gpu["resources"].items()}).fits(
+        cfg.scaling.resources_per_worker)
+    assert (gpu["min_nodes"] * trainers, gpu["max_nodes"] * trainers) == cfg.scaling.num_workers
+    assert all(g.get("market_type") == "ON_DEMAND" for g in compute["worker_nodes"] if g is not gpu)

@@ -115,3 +115,19 @@ def test_an_elastic_run_below_its_min_workers_fails_after_the_timeout_recording_
     steps = [e.step for e in entries]
     assert entries and steps in (list(range(1, ckpts[-1] + 1)), list(range(1, ckpts[-1] + 3))), (ckpts, steps)
     assert set(sample_counts(entries).values()) == {1}
+
+
+def test_a_preemption_notice_writes_a_checkpoint_that_the_restarted_run_resumes_from(tmp_path):
+    res = _run(tmp_path, "preempt")
+    assert res["ok"], res
+    events = {k: e for e in res["events"] for k in e}
+    noticed = events["noticed"]["noticed"]
+    assert noticed >= events["drained"]["at_step"] >= 3, res["events"]
+    assert noticed in _checkpoint_steps(tmp_path, res["name"])  # kept: only the final checkpoint came after it
+    metrics = _metrics(tmp_path, res["name"])
+    notices = [r for r in metrics if r["kind"] == "checkpoint"]
+    assert [r["step"] for r in notices] == [noticed] and "preemption notice" in notices[0]["reason"], notices
+    resumes = [(r["step"], r["saved_world_size"], r["world_size"]) for r in metrics if r["kind"] == "resume"]
+    assert resumes == [(noticed, 2, 1)], resumes  # no periodic checkpoints: only the notice's could be resumed
+    entries = _ledger(tmp_path, res["name"])
+    _assert_exactly_once(entries)

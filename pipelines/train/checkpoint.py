@@ -223,15 +223,29 @@ def write_manifest(te: TrainEngine, directory: str) -> None:
         json.dump(manifest, f, indent=1, sort_keys=True)
 
 
-def report_checkpoint(te: TrainEngine, state: TrainerState, metrics: dict[str, Any]) -> str:
-    """Save and hand the checkpoint to Ray Train (a barrier across ranks); returns its directory name."""
+def report_checkpoint(te: TrainEngine, state: TrainerState, metrics: dict[str, Any], upload: str = "async") -> str:
+    """Save this rank's part locally and hand it to Ray Train; returns the checkpoint's directory name.
+
+    ``upload`` (``run.checkpoint_upload``): ``async`` returns once the local files are written; Ray Train copies
+    them to the run directory in a background thread, registers the checkpoint when every rank's copy is
+    done, and deletes the local folder. A checkpoint is still all or nothing for a resume: an incomplete one
+    is never picked (:func:`checkpoint_problem`). ``sync`` waits for the copy (``ray.train.report`` is then a
+    barrier across ranks).
+    """
     import ray.train
+    from ray.train import CheckpointUploadMode
 
     name = checkpoint_dir_name(state.step)
-    with tempfile.TemporaryDirectory(prefix="pipelines-ckpt-") as tmp:
+    tmp = tempfile.mkdtemp(prefix="pipelines-ckpt-")
+    try:
         save_local(te, tmp, state)
         write_manifest(te, tmp)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    mode = CheckpointUploadMode.ASYNC if upload == "async" else CheckpointUploadMode.SYNC
+    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name,
+                     checkpoint_upload_mode=mode, delete_local_checkpoint_after_upload=True)
     return name
 
 

@@ -8,7 +8,8 @@ Per worker::
                                                        slice of each step: the spec's sources, mixed, or a
                                                        dataset given to build_trainer
     for each step: train_step -> log every log_every_steps, eval every eval_every_steps,
-                   checkpoint (with the feeder's data state; the ledger gets the steps) every checkpoint_every_steps
+                   checkpoint (with the feeder's data state; the ledger gets the steps) every checkpoint_every_steps,
+                   every checkpoint_every_minutes and on a preemption notice (triggers.py)
     final checkpoint, final eval, HF export, summary
 
 Stopping rule: with ``train.max_steps`` the loop stops there and re-reads the stream (a new epoch)
@@ -63,6 +64,7 @@ from pipelines.train.step import (
     train_step,
 )
 from pipelines.train.storage import OutputDir, is_remote, run_dir
+from pipelines.train.triggers import CheckpointTriggers
 
 
 def payload(cfg: Config, spec: StreamSpec, fit_id: str, has_eval: bool, given: Any = None,
@@ -133,6 +135,7 @@ class WorkerLoop:
         self.earlier = read_metrics(self.out.local) if self.out is not None else []
         self.metrics = MetricsWriter(self.out, cfg, self.run_dir)
         self.window = Window()
+        self.triggers = CheckpointTriggers(cfg.train.checkpoint_every_minutes, te.rank, te.device)
         self.last_record: dict[str, Any] = {}
         self.last_eval: dict[str, Any] = {}
         self.last_checkpoint: str | None = None
@@ -197,8 +200,11 @@ class WorkerLoop:
                 self._log()
             if train.eval_every_steps and self.eval_shard is not None and step % train.eval_every_steps == 0:
                 self._evaluate()
+            why = self.triggers.due()  # collective: every minutes, or a preemption notice
             if train.checkpoint_every_steps and step % train.checkpoint_every_steps == 0:
                 self._checkpoint()
+            elif why is not None:
+                self._checkpoint(why)
             elif step % train.log_every_steps == 0:
                 self._report()
         if self.window.steps:
@@ -259,20 +265,25 @@ class WorkerLoop:
         self.metrics.write(rec)
         self.last_eval = {**res, "step": self.state.step}
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, reason: str | None = None) -> None:
+        """Checkpoint the step just taken; ``reason``: why now, for one that is not every N steps (logged)."""
         t0 = time.perf_counter()
+        self.triggers.checkpointed()
         if self.te.rank == 0:
             # The feeder's position after the last step, stored as it is; the feeder also writes these
             # steps to the ledger.
             self.state.data_state = self.train.commit()
         self.metrics.sync()
-        name = report_checkpoint(self.te, self.state, self._report_metrics())
+        name = report_checkpoint(self.te, self.state, self._report_metrics(), self.cfg.run.checkpoint_upload)
         self.last_checkpoint = f"{self.run_dir}/{name}"
         self.checkpointed_step = self.state.step
         self.totals.checkpoint_s += time.perf_counter() - t0
         self.totals.checkpoints += 1
-        self._print(startup_line(self.clock.now(), f"checkpoint step {self.state.step} -> {self.last_checkpoint}",
+        why = f" ({reason})" if reason else ""
+        self._print(startup_line(self.clock.now(), f"checkpoint step {self.state.step}{why} -> {self.last_checkpoint}",
                                  took=time.perf_counter() - t0))
+        if reason:
+            self.metrics.write({"kind": "checkpoint", "step": self.state.step, "reason": reason})
 
     def _report_metrics(self) -> dict[str, Any]:
         """Numbers for ``ray.train.report`` (Result.metrics): the last train window + last eval."""
