@@ -24,6 +24,8 @@ Scenarios:
   to 2 again. Then a reference run, 2 workers from start to end, trains the same data for the loss curve.
 * ``min_workers``: ``scaling.num_workers: [2, 3]``; kill a training node with no replacement: one worker
   can be placed, fewer than the min, and the run fails after ``scaling.min_workers_timeout_s``.
+* ``bench_steps`` / ``bench_minutes`` (benchmarks/elastic_resume.py): ``[1, 2]`` workers, 14 steps, checkpoints
+  every 4 steps or every 0.1 minutes; the node of rank 0 is lost without notice once step 7 is logged.
 * ``preempt``: ``scaling.num_workers: [1, 2]``, no periodic checkpoints. A spot reclaim with notice: the node of
   rank 0 and the feeder is drained with reason preemption and a 60 s deadline, with the command the KubeRay
   manifest's preStop hook runs on the pod's SIGTERM; once the run has checkpointed for the notice, the node
@@ -46,11 +48,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before ray is imported: nodes stay on 127.0.0.1
 
+import pyarrow.fs as pafs  # noqa: E402
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from test_exactly_once_train import _config, _ledger  # noqa: E402
 
 from pipelines.ray_local import LOOPBACK, keep_on_loopback  # noqa: E402
+from pipelines.train.checkpoint import checkpoint_dir_name, checkpoint_problem  # noqa: E402
 
 # Node deaths are noticed within ~3 s instead of Ray's default ~30 s.
 HEALTH = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000, "health_check_failure_threshold": 3}
@@ -133,6 +137,8 @@ class Chaos:
             return self.shrink_and_grow()
         if self.scenario == "preempt":
             return self.preempt()
+        if self.scenario.startswith("bench_"):
+            return self.lose_at(7)
         try:
             # Checkpoint 2 (step 4) is in the ledger once its data state is taken, before it is saved
             # (the ledger is written ahead), so wait for its directory too: killed before that, the run
@@ -159,6 +165,17 @@ class Chaos:
             print("CHAOS_ERROR " + self.error, flush=True)
 
 
+    def lose_at(self, step: int) -> None:
+        """benchmarks/elastic_resume.py: lose the training node of rank 0 once ``step`` is logged, no notice."""
+        try:
+            _wait(f"step {step}", lambda: max((r["step"] for r in self._records("train")), default=0) >= step)
+            feeder = set(_actors("Feeder").values())
+            holder = [k for k, n in self.nodes.items() if k.startswith("train") and n.node_id in feeder][0]
+            self._kill(holder, None)
+        except BaseException:
+            self.error = traceback.format_exc()
+            print("CHAOS_ERROR " + self.error, flush=True)
+
     def preempt(self) -> None:
         try:
             _wait("step 3", lambda: max((r["step"] for r in self._records("train")), default=0) >= 3)
@@ -172,7 +189,13 @@ class Chaos:
             self._event(drained=holder, at_step=max(r["step"] for r in self._records("train")))
             _wait("the checkpoint for the notice", lambda: any("preemption notice" in r["reason"]
                                                                 for r in self._records("checkpoint")), timeout=60)
-            self._event(noticed=[r for r in self._records("checkpoint") if "preemption" in r["reason"]][0]["step"])
+            step = [r for r in self._records("checkpoint") if "preemption" in r["reason"]][0]["step"]
+            self._event(noticed=step)
+            # The node goes at the notice's deadline, 60 s on: long after the checkpoint's upload (in the background)
+            # is complete on storage, which is all the test waits for.
+            path = self.tmp / "runs" / self.name / checkpoint_dir_name(step)
+            _wait("the notice's checkpoint on storage", lambda: path.is_dir() and checkpoint_problem(
+                pafs.LocalFileSystem(), str(path)) is None, timeout=60)
             self._kill(holder, None)  # the reclaim
         except BaseException:
             self.error = traceback.format_exc()
@@ -211,6 +234,10 @@ def _scenario_config(tmp: Path, name: str, scenario: str):
     if scenario in ("recover", "fail"):
         return _config(tmp, name, 2, checkpoint_every_steps=2, max_failures=3 if scenario == "recover" else 0,
                        **placed)
+    if scenario.startswith("bench_"):  # checkpoints every 4 steps, or every 0.1 min (~4 steps here)
+        every = {"checkpoint_every_steps": 4} if scenario == "bench_steps" else {
+            "checkpoint_every_steps": None, "checkpoint_every_minutes": 0.1}
+        return _config(tmp, name, [1, 2], max_failures=-1, deepspeed="zero2", max_steps=14, **every, **placed)
     workers = [2, 3] if scenario == "min_workers" else [1, 2]
     cfg = _config(tmp, name, workers if scenario != "elastic_ref" else 2, max_failures=-1, deepspeed="zero2",
                   checkpoint_every_steps=None if scenario == "preempt" else 2, learning_rate=LOSS_CURVE_LR, **placed)

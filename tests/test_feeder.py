@@ -226,3 +226,16 @@ def test_a_rank_takes_whole_batches_after_a_doubling_start_and_gets_the_same_row
             assert len(got) >= least or first + len(got) == items
         assert sum(map(len, answers)) == items and answers[-1] == []
         assert len(answers) <= 4 + -(-(items - 8) // 8) + 1  # at least 1+1+2+4 items, then 8 a call, then []
+
+
+def test_a_step_takes_the_same_rows_at_every_world_size_even_when_they_do_not_divide(tmp_path, ray_local):
+    """The global batch is a property of the step: 5 rows per step at 1, 2 and 3 ranks are the same 5 rows
+    in the same order, cut 5 / 3+2 / 2+2+1."""
+    cfg = _config(tmp_path)
+    by_world = {w: drive(start_feeder(cfg, w, 5, None, None), w)[0] for w in (1, 2, 3)}
+    assert len(by_world[1]) > 3
+    for w, steps in by_world.items():
+        assert len(steps) == len(by_world[1])
+        assert [[row for rank in step for row in rank] for step in steps] == [step[0] for step in by_world[1]]
+        full = [[len(rank) for rank in step] for step in steps[:-1]]  # the epoch's last step may be short
+        assert all(sizes == {1: [5], 2: [3, 2], 3: [2, 2, 1]}[w] for sizes in full), (w, full)

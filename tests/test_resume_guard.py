@@ -32,6 +32,7 @@ from pipelines.train.checkpoint import (
     newer_unregistered,
     newest_complete,
     saved_layout,
+    unregistered,
 )
 
 
@@ -136,6 +137,22 @@ def _fake_checkpoint(root: Path, step: int) -> Path:
     files = {str(p.relative_to(d)): p.stat().st_size for p in d.rglob("*") if p.is_file()}
     (d / MANIFEST).write_text(json.dumps({"files": files, "world_size": 2, "zero_stage": 2}))
     return d
+
+
+def test_a_complete_checkpoint_ray_never_registered_is_resumed_from(tmp_path, caplog):
+    older, newest = _fake_checkpoint(tmp_path, 2), _fake_checkpoint(tmp_path, 4)
+    for d in (older, newest):
+        (d / STATE_FILE).write_text(json.dumps({"step": int(d.name[-2:]), "fit_id": "a"}))
+        manifest = json.loads((d / MANIFEST).read_text())
+        manifest["files"][STATE_FILE] = (d / STATE_FILE).stat().st_size
+        (d / MANIFEST).write_text(json.dumps(manifest))
+    assert unregistered(str(tmp_path), "auto", "b").path == str(newest)
+    assert "not registered with Ray Train" in caplog.text
+    (newest / "deepspeed" / "step_4" / "mp_rank_00_model_states.pt").unlink()  # its copy was cut off
+    assert unregistered(str(tmp_path), "auto", "b").path == str(older)
+    assert unregistered(str(tmp_path), "never", "a").path == str(older)  # this fit's own: a restart resumes
+    assert unregistered(str(tmp_path), "never", "b") is None  # an earlier fit's, under run.resume=never
+    assert unregistered(str(tmp_path / "other"), "auto", "b") is None
 
 
 def test_cut_off_checkpoint_is_never_picked(tmp_path, caplog):

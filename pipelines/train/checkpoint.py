@@ -331,6 +331,31 @@ def newer_unregistered(fs: Any, path: str) -> str:
     return path
 
 
+def unregistered(run_directory: str, resume: str, fit_id: str, storage: Any = None) -> Any:
+    """The newest complete checkpoint in ``run_directory`` when Ray Train has none registered, else ``None``.
+
+    A checkpoint is registered when every rank's copy is done and the controller has processed the report; a
+    node lost in between (e.g. right after a preemption notice's checkpoint) leaves a complete checkpoint that
+    ``ray.train.get_checkpoint()`` does not know. ``run.resume: auto`` takes it; ``never`` only one of this fit.
+    """
+    import ray.train
+
+    from pipelines.storage import StorageOptions, filesystem_for
+
+    if resume not in ("auto", "never"):
+        return None
+    fs, root = filesystem_for(run_directory, StorageOptions.from_config(storage))
+    for _, path in checkpoint_steps(fs, root.rstrip("/")):
+        if checkpoint_problem(fs, path) is not None:
+            continue
+        if resume == "never" and read_json(fs, f"{path}/{STATE_FILE}").get("fit_id", "") != fit_id:
+            return None
+        logger.warning("checkpoint %s is complete but not registered with Ray Train (the run stopped before its "
+                       "report reached the controller); resuming from it", path)
+        return ray.train.Checkpoint(path, filesystem=fs)
+    return None
+
+
 def latest_in_run_dir(path: str, storage: Any = None) -> tuple[Any, str]:
     """``(fs, path)`` of ``path`` itself if it is a checkpoint, else of its newest complete ``checkpoint_*``."""
     import pyarrow.fs as pafs
@@ -356,15 +381,18 @@ class ResumeSource:
     fit_id: str  # the fit() that wrote it: this one's means Ray Train restarted the group (a fault or a resize)
 
 
-def resume_source(resume: str, fit_id: str, storage: Any = None) -> ResumeSource | None:
+def resume_source(resume: str, fit_id: str, storage: Any = None, run_directory: str | None = None) -> ResumeSource | None:
     """Apply ``run.resume`` (see the module docstring): the checkpoint to resume from, or ``None`` for a fresh start.
 
     Found before the engine is built, so that the engine is built for the checkpoint's format
-    (:meth:`SavedLayout.needs_universal`).
+    (:meth:`SavedLayout.needs_universal`). ``run_directory``: the run's own directory, searched for a complete
+    checkpoint that Ray Train never registered when it has none registered (:func:`unregistered`).
     """
     import ray.train
 
     ckpt = ray.train.get_checkpoint()
+    if ckpt is None and run_directory is not None:
+        ckpt = unregistered(run_directory, resume, fit_id, storage)
     if ckpt is not None:
         path = newer_unregistered(ckpt.filesystem, newest_complete(ckpt.filesystem, ckpt.path))
         saved_fit = read_json(ckpt.filesystem, f"{path}/{STATE_FILE}").get("fit_id", "")

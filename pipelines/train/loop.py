@@ -93,7 +93,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         device = ray.train.torch.get_device()
     clock.mark("workers")  # Ray Train's worker group is up (and its process group joined)
     init_distributed(cfg.scaling.use_gpu, device)
-    source = resume_source(cfg.run.resume, config["fit_id"], cfg.storage)
+    source = resume_source(cfg.run.resume, config["fit_id"], cfg.storage, run_dir(cfg))
     te = build_engine(cfg, load_universal=source is not None and source.layout.needs_universal(dist.get_world_size()))
     clock.mark("engine")
     state = restore(te, source, config["fit_id"])
@@ -201,9 +201,7 @@ class WorkerLoop:
             if train.eval_every_steps and self.eval_shard is not None and step % train.eval_every_steps == 0:
                 self._evaluate()
             why = self.triggers.due()  # collective: every minutes, or a preemption notice
-            if train.checkpoint_every_steps and step % train.checkpoint_every_steps == 0:
-                self._checkpoint()
-            elif why is not None:
+            if why is not None or (train.checkpoint_every_steps and step % train.checkpoint_every_steps == 0):
                 self._checkpoint(why)
             elif step % train.log_every_steps == 0:
                 self._report()

@@ -282,6 +282,10 @@ def format_summary(summary: dict[str, Any], extra_time: dict[str, float] | None 
     ]
     if summary.get("data_quality"):
         lines.append(f"  data:      {data_quality_line(summary['data_quality'])}")
+    for r in summary.get("recoveries") or []:  # restarts of the worker group (faults, lost nodes, elastic resizes)
+        what = f"resized {r['from_workers']} -> {r['to_workers']}" if r["resized"] else "restarted"
+        lines.append(f"  recovery:  {what} workers at step {r['step']}: {r['steps_redone']} steps redone, "
+                     f"{r['time_lost_s']:.1f}s lost")
     lines += [
         f"  run dir:   {summary['run_dir']}",
         f"  checkpoint:{' ' if summary.get('checkpoint_path') else ''}{summary.get('checkpoint_path') or ' -'}",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-POLL_S = 5.0  # how often rank 0 has every rank ask Ray Train about preemption (Ray's watcher polls every 5 s)
+POLL_S = 2.0  # how often rank 0 has every rank ask Ray Train about preemption (a barrier; Ray's watcher polls every 5 s)
 
 
 class CheckpointTriggers:
