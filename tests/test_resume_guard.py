@@ -152,6 +152,8 @@ def test_a_complete_checkpoint_ray_never_registered_is_resumed_from(tmp_path, ca
     assert unregistered(str(tmp_path), "auto", "b").path == str(older)
     assert unregistered(str(tmp_path), "never", "a").path == str(older)  # this fit's own: a restart resumes
     assert unregistered(str(tmp_path), "never", "b") is None  # an earlier fit's, under run.resume=never
+    assert unregistered(str(tmp_path), "/some/checkpoint", "b") is None  # a path to start from: only its own
+    assert unregistered(str(tmp_path), "/some/checkpoint", "a").path == str(older)
     assert unregistered(str(tmp_path / "other"), "auto", "b") is None
 
 

@@ -22,7 +22,7 @@ Resume (``run.resume``):
   finds it from the run's ``checkpoint_manager_snapshot.json`` when the same ``run.name`` is started
   again, and after a worker failure (``run.max_failures``). A newer complete checkpoint on storage that
   Ray did not register (the worker died before its report reached the controller) wins
-  (:func:`newer_unregistered`).
+  (:func:`newer_unregistered`), and so does one when Ray has none registered (:func:`unregistered`).
 * ``never``: start from scratch; a checkpoint is only taken if this very ``fit()`` wrote it (its
   ``fit_id`` matches), so worker-failure restarts still resume, but an old run's state is ignored.
 * ``<path>``: a checkpoint directory (or a run directory: its newest ``checkpoint_*``) to start from
@@ -336,20 +336,19 @@ def unregistered(run_directory: str, resume: str, fit_id: str, storage: Any = No
 
     A checkpoint is registered when every rank's copy is done and the controller has processed the report; a
     node lost in between (e.g. right after a preemption notice's checkpoint) leaves a complete checkpoint that
-    ``ray.train.get_checkpoint()`` does not know. ``run.resume: auto`` takes it; ``never`` only one of this fit.
+    ``ray.train.get_checkpoint()`` does not know. ``run.resume: auto`` takes it; ``never`` and a path only one that
+    this fit wrote.
     """
     import ray.train
 
     from pipelines.storage import StorageOptions, filesystem_for
 
-    if resume not in ("auto", "never"):
-        return None
     fs, root = filesystem_for(run_directory, StorageOptions.from_config(storage))
     for _, path in checkpoint_steps(fs, root.rstrip("/")):
         if checkpoint_problem(fs, path) is not None:
             continue
-        if resume == "never" and read_json(fs, f"{path}/{STATE_FILE}").get("fit_id", "") != fit_id:
-            return None
+        if resume != "auto" and read_json(fs, f"{path}/{STATE_FILE}").get("fit_id", "") != fit_id:
+            return None  # never, or a path to start from: only a checkpoint this fit wrote continues it
         logger.warning("checkpoint %s is complete but not registered with Ray Train (the run stopped before its "
                        "report reached the controller); resuming from it", path)
         return ray.train.Checkpoint(path, filesystem=fs)
