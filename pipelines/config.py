@@ -394,6 +394,21 @@ class TrainConfig(_Strict):
 class ScalingConfig(_Strict):
     """How many Ray Train workers and what each gets (ray.train.ScalingConfig)."""
 
+    num_workers: int | tuple[int, int] = Field(
+        1, description="Ray Train workers (ranks): a number, or [min, max] for an elastic run that shrinks to the "
+        "workers it can place when a node is lost (no fewer than min) and grows back when resources return "
+        "(docs/training.md, 'Elastic runs').")
+    resize_check_s: float = Field(
+        60.0, gt=0, description="Elastic runs: how often Ray Train checks whether more workers can be placed "
+        "(ScalingConfig.elastic_resize_monitor_interval_s); growing restarts the group from the last checkpoint.")
+    min_workers_timeout_s: float = Field(
+        600.0, gt=0, description="Elastic runs: how long the run waits with fewer than min workers placeable "
+        "before it fails with an error naming what is missing.")
+    use_gpu: bool = Field(False, description="One GPU per worker, NCCL; else CPU workers with gloo.")
+    resources_per_worker: dict[str, float] | None = Field(
+        None, description="e.g. {CPU: 8, GPU: 1, gpu_node: 1} to pin trainers to GPU nodes."
+    )
+
     @field_validator("num_workers", mode="before")
     @classmethod
     def _min_max(cls, v: Any) -> Any:
@@ -422,21 +437,6 @@ class ScalingConfig(_Strict):
     @property
     def max_workers(self) -> int:
         return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
-
-    num_workers: int | tuple[int, int] = Field(
-        1, description="Ray Train workers (ranks): a number, or [min, max] for an elastic run that shrinks to the "
-        "workers it can place when a node is lost (no fewer than min) and grows back when resources return "
-        "(docs/training.md, 'Elastic runs').")
-    resize_check_s: float = Field(
-        60.0, gt=0, description="Elastic runs: how often Ray Train checks whether more workers can be placed "
-        "(ScalingConfig.elastic_resize_monitor_interval_s); growing restarts the group from the last checkpoint.")
-    min_workers_timeout_s: float = Field(
-        600.0, gt=0, description="Elastic runs: how long the run waits with fewer than min workers placeable "
-        "before it fails with an error naming what is missing.")
-    use_gpu: bool = Field(False, description="One GPU per worker, NCCL; else CPU workers with gloo.")
-    resources_per_worker: dict[str, float] | None = Field(
-        None, description="e.g. {CPU: 8, GPU: 1, gpu_node: 1} to pin trainers to GPU nodes."
-    )
 
 
 class WandbConfig(_Strict):

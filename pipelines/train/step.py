@@ -177,7 +177,7 @@ class TrainEngine:
 def build_engine(cfg: Config, load_universal: bool = False) -> TrainEngine:
     """Tokenizer, model, AdamW, LR schedule and DeepSpeed engine for this rank (process group must exist).
 
-    The accumulation follows from the global batch at this world size (:mod:`pipelines.train.batch`).
+    The accumulation follows from the global batch at this world size (:mod:`pipelines.stream.batch`).
     ``load_universal``: the checkpoint this engine will load was saved at another world size and is
     converted to DeepSpeed's universal format first (:mod:`pipelines.train.checkpoint`).
     """
