@@ -348,6 +348,22 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def git_state() -> dict[str, Any]:
+    """The checkout a benchmark ran from: ``{"commit": short sha, "dirty": [changed tracked files]}``
+    (``commit`` is ``None`` outside a git checkout)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "dirty": []}
+    return {"commit": commit, "dirty": [line[3:] for line in status.splitlines() if line.strip()]}
+
+
 LIBRARIES = ("ray", "tokenizers", "transformers", "datasets", "mosaicml-streaming", "litdata", "pyarrow",
              "numpy", "torch", "matplotlib", "psutil", "pydantic")
 

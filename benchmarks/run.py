@@ -667,6 +667,8 @@ def write_report(ctx: dict[str, Any], out_md: Path, plots: list[str], plot_rel: 
         "Issue 2's stand-alone ingest table: `.venv/bin/python benchmarks/ingest.py`.",
         "",
         f"- date: {ctx['started']} (run took {ctx['elapsed'] / 60:.1f} min)",
+        f"- commit: {ctx['git']['commit']}" + (f" with uncommitted changes to {', '.join(ctx['git']['dirty'])}"
+                                               if ctx["git"]["dirty"] else " (clean)"),
         f"- machine: {m['cpus']} CPUs ({m['cpus_usable']} usable; {m['cpu_model']}), {m['memory_gib']} GiB RAM, "
         f"{m['platform']}, Python {m['python']}; load average at start {m['load_avg']}, at end {ctx['load_end']}",
         f"- every system gets the same {ctx['cpus']} CPUs (Ray: `num_cpus={ctx['cpus']}`; peers: 2 workers / processes / threads)",
@@ -794,7 +796,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats or (1 if args.quick else 3),
         "records": args.records or (999 if args.quick else ingest.FULL_RECORDS),
         "external_timeout": args.external_timeout or (150 if args.quick else 1200),
-        "machine": bl.machine_info(), "started": dt.datetime.now().isoformat(timespec="seconds"),
+        "machine": bl.machine_info(), "git": bl.git_state(), "started": dt.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join([".venv/bin/python", "benchmarks/run.py", *(argv if argv is not None else sys.argv[1:])]),
         "results": {}, "ingest": {},
     }
@@ -847,7 +849,7 @@ def main(argv: list[str] | None = None) -> int:
     write_report(ctx, out_md, plots, plot_rel)
     results_json = (plot_dir / "results.json")
     res.pop("ingest", None)  # the section's status; the ingest results themselves are ctx["ingest"]
-    results_json.write_text(json.dumps(_strip({"machine": ctx["machine"], "versions": bl.versions(), **res,
+    results_json.write_text(json.dumps(_strip({"machine": ctx["machine"], "git": ctx["git"], "versions": bl.versions(), **res,
                                                 "ingest": ctx["ingest"]}), indent=1, default=str))
     print(f"\nwrote {out_md}, {len(plots)} plots and results.json under {plot_dir} "
           f"in {(time.perf_counter() - t_start) / 60:.1f} min\n")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import subprocess
 
 import pytest
 from conftest import BENCH_KEPT_SECTION, ROOT, bench_kept_marker, needs_shared
@@ -32,6 +33,9 @@ def test_quick_writes_tables_and_plots(quick_run):
     assert md.count(KEPT_MARKER) == 1
     head = md.splitlines()[:8]  # the command that produced it is on top
     assert any(line.startswith("Produced by: `.venv/bin/python benchmarks/run.py --quick") for line in head), head
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
+    assert f"- commit: {commit}" in md  # the checkout the numbers came from (and whether it had changes)
     for name in PLOTS:
         png = out / "results" / name
         assert png.is_file() and png.stat().st_size > 5000, f"plot {name} missing or empty"
