@@ -465,9 +465,11 @@ class RunConfig(_Strict):
     storage_path: str = Field("runs", description="Local directory or s3:// URL for checkpoints and outputs.")
     resume: str = Field("auto", description="auto | never | <checkpoint path>.")
     keep_checkpoints: int = Field(2, gt=0, description="Checkpoints kept in the run directory (CheckpointConfig.num_to_keep).")
-    checkpoint_upload: Literal["async", "sync"] = Field(
-        "async", description="async: a checkpoint is written locally and training goes on while Ray Train copies it to "
-        "the run directory (registered when every rank's copy is done); sync: every rank waits for the copy.")
+    checkpoint_upload: Literal["sync", "async"] = Field(
+        "sync", description="sync: every rank waits until its part is copied to the run directory. async: a checkpoint "
+        "is written locally and training goes on while Ray Train copies it (registered when every rank's copy is "
+        "done), so a step does not wait for object storage; a fault soon after a checkpoint may then resume from the "
+        "one before (a checkpoint is only resumed from when complete). Use async for large checkpoints on s3://.")
     max_failures: int = Field(0, ge=-1, description="Ray Train FailureConfig.max_failures (-1: forever).")
     export_model: bool = Field(True, description="Write a Hugging Face model + tokenizer at the end.")
     progress_bars: bool = Field(

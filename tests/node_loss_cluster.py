@@ -237,12 +237,15 @@ def _scenario_config(tmp: Path, name: str, scenario: str):
     if scenario.startswith("bench_"):  # checkpoints every 4 steps, or every 0.1 min (~4 steps here)
         every = {"checkpoint_every_steps": 4} if scenario == "bench_steps" else {
             "checkpoint_every_steps": None, "checkpoint_every_minutes": 0.1}
-        return _config(tmp, name, [1, 2], max_failures=-1, deepspeed="zero2", max_steps=14, **every, **placed)
+        cfg = _config(tmp, name, [1, 2], max_failures=-1, deepspeed="zero2", max_steps=14, **every, **placed)
+        cfg.run.checkpoint_upload = "async"
+        return cfg
     workers = [2, 3] if scenario == "min_workers" else [1, 2]
     cfg = _config(tmp, name, workers if scenario != "elastic_ref" else 2, max_failures=-1, deepspeed="zero2",
                   checkpoint_every_steps=None if scenario == "preempt" else 2, learning_rate=LOSS_CURVE_LR, **placed)
     cfg.scaling.resize_check_s = 2.0
     cfg.scaling.min_workers_timeout_s = 45.0
+    cfg.run.checkpoint_upload = "async"  # as configs/llama3-8b-sft-elastic.yaml: faults land during uploads too
     return cfg
 
 

@@ -223,7 +223,7 @@ def write_manifest(te: TrainEngine, directory: str) -> None:
         json.dump(manifest, f, indent=1, sort_keys=True)
 
 
-def report_checkpoint(te: TrainEngine, state: TrainerState, metrics: dict[str, Any], upload: str = "async") -> str:
+def report_checkpoint(te: TrainEngine, state: TrainerState, metrics: dict[str, Any], upload: str = "sync") -> str:
     """Save this rank's part locally and hand it to Ray Train; returns the checkpoint's directory name.
 
     ``upload`` (``run.checkpoint_upload``): ``async`` returns once the local files are written; Ray Train copies
