@@ -10,7 +10,7 @@ The batch-shape and optimisation keys always come from ``TrainConfig`` -- it is 
 sets them -- whatever the JSON says (a conflicting explicit value is logged and overridden)::
 
     train_micro_batch_size_per_gpu = train.micro_batch_size
-    gradient_accumulation_steps    = the run's accumulation at this world size (pipelines.train.batch)
+    gradient_accumulation_steps    = the run's accumulation at this world size (pipelines.stream.batch)
     train_batch_size               = micro_batch_size * gradient_accumulation_steps * world_size
     gradient_clipping              = train.max_grad_norm          (0 = off)
     bf16.enabled                   = train.bf16
@@ -76,7 +76,7 @@ def resolve_deepspeed_config(
 ) -> dict[str, Any]:
     """The DeepSpeed config for this run, with batch sizes, clipping and precision from ``train``.
 
-    ``grad_accum``: micro-batches per step at ``world_size`` (:class:`pipelines.train.batch.BatchLayout`;
+    ``grad_accum``: micro-batches per step at ``world_size`` (:class:`pipelines.stream.batch.BatchLayout`;
     default ``train.gradient_accumulation_steps``). ``load_universal``: the checkpoint to load is in
     DeepSpeed's universal format (saved at another world size; :mod:`pipelines.train.checkpoint`).
     """
