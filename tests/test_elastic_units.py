@@ -28,6 +28,10 @@ def test_the_global_batch_is_kept_and_the_accumulation_follows_the_world_size():
     # default: micro x accumulation x max workers = 16 rows, at every world size
     assert [(w, batch_layout(cfg.train, cfg.scaling, w).step_rows, batch_layout(cfg.train, cfg.scaling, w).grad_accum)
             for w in (1, 2, 3, 4)] == [(1, 16, 8), (2, 16, 4), (3, 16, 3), (4, 16, 2)]
+    # a fixed-size run without global_batch_size: micro x accumulation rows per worker, at whatever world it runs
+    plain = config_from_dict(_raw(train={"micro_batch_size": 2, "gradient_accumulation_steps": 3}))
+    assert [(batch_layout(plain.train, plain.scaling, w).step_rows, batch_layout(plain.train, plain.scaling, w).grad_accum)
+            for w in (1, 2)] == [(6, 3), (12, 3)]
     fixed = config_from_dict(_raw(train={"micro_batch_size": 2, "global_batch_size": 6}, scaling={"num_workers": 4}))
     assert batch_layout(fixed.train, fixed.scaling, 4).grad_accum == 1  # 2, 2, 1, 1 rows
     assert batch_layout(fixed.train, fixed.scaling, 1).grad_accum == 3

@@ -1,8 +1,8 @@
 """The global batch: how many packed rows an optimizer step takes, and how the ranks present share them.
 
-A step means the same rows at every world size, so an elastic run that shrinks from 2 workers to 1 (or a
-resume with another ``scaling.num_workers`` and ``train.global_batch_size`` set) takes the same rows in the
-same order and follows the same loss curve. Example: 8 rows per step, micro-batches of 2::
+A step means the same rows at every world size of an elastic run (or of any run with
+``train.global_batch_size`` set): one that shrinks from 2 workers to 1 takes the same rows in the same order
+and follows the same loss curve. A fixed-size run without it keeps micro x accumulation rows per worker. Example: 8 rows per step, micro-batches of 2::
 
     4 workers: 2 rows each  -> 1 micro-batch per rank
     2 workers: 4 rows each  -> 2 micro-batches (accumulated)
@@ -48,13 +48,16 @@ class BatchLayout:
         return max(1, math.ceil(self.rows_per_rank / self.micro))
 
 
-def global_rows(train: TrainConfig, scaling: ScalingConfig) -> int:
-    """Rows per optimizer step: ``train.global_batch_size``, else micro x accumulation x the largest world size."""
+def global_rows(train: TrainConfig, scaling: ScalingConfig, world: int | None = None) -> int:
+    """Rows per optimizer step: ``train.global_batch_size`` when set; else micro x accumulation x workers, where
+    workers is the elastic run's max, or for a fixed-size run the world it runs at (``world``; default
+    ``scaling.num_workers``), as it always was: each worker takes micro x accumulation rows."""
     if train.global_batch_size is not None:
         return train.global_batch_size
-    return train.micro_batch_size * train.gradient_accumulation_steps * scaling.max_workers
+    workers = scaling.max_workers if scaling.elastic or world is None else world
+    return train.micro_batch_size * train.gradient_accumulation_steps * workers
 
 
 def batch_layout(train: TrainConfig, scaling: ScalingConfig, world: int) -> BatchLayout:
     """The layout of a run's steps at ``world`` ranks."""
-    return BatchLayout(global_rows(train, scaling), world, train.micro_batch_size)
+    return BatchLayout(global_rows(train, scaling, world), world, train.micro_batch_size)
