@@ -164,13 +164,17 @@ class Chaos:
             self.error = traceback.format_exc()
             print("CHAOS_ERROR " + self.error, flush=True)
 
+    def _feeder_node(self) -> str:
+        """The training node that holds rank 0 and the data feeder (the feeder lives on rank 0's node)."""
+        feeder = set(_actors("Feeder").values())
+        (holder,) = [k for k, n in self.nodes.items() if k.startswith("train") and n.node_id in feeder]
+        return holder
 
     def lose_at(self, step: int) -> None:
         """benchmarks/elastic_resume.py: lose the training node of rank 0 once ``step`` is logged, no notice."""
         try:
             _wait(f"step {step}", lambda: max((r["step"] for r in self._records("train")), default=0) >= step)
-            feeder = set(_actors("Feeder").values())
-            holder = [k for k, n in self.nodes.items() if k.startswith("train") and n.node_id in feeder][0]
+            holder = self._feeder_node()
             self._kill(holder, None)
         except BaseException:
             self.error = traceback.format_exc()
@@ -179,8 +183,7 @@ class Chaos:
     def preempt(self) -> None:
         try:
             _wait("step 3", lambda: max((r["step"] for r in self._records("train")), default=0) >= 3)
-            feeder = set(_actors("Feeder").values())
-            holder = [k for k, n in self.nodes.items() if k.startswith("train") and n.node_id in feeder][0]
+            holder = self._feeder_node()
             # What cluster/kuberay/rayjob-elastic.yaml's preStop hook runs in the pod (there without --node-id:
             # the pod's own node).
             subprocess.run(["ray", "drain-node", "--address", self.cluster.address, "--node-id",
@@ -207,8 +210,7 @@ class Chaos:
             feeder = set(_actors("Feeder").values())
             self._event(train_worker_nodes=sorted(self.label(n) for n in _actors("RayTrainWorker").values()),
                         feeder_node=sorted(self.label(n) for n in feeder))
-            holder = [k for k, n in self.nodes.items() if k.startswith("train") and n.node_id in feeder]
-            self._kill(holder[0], None)
+            self._kill(self._feeder_node(), None)
             if self.scenario != "elastic":
                 return
             # The group restarts with the one worker that can be placed; let it write a checkpoint of its own,
