@@ -156,12 +156,16 @@ class TrainEngine:
     device: torch.device
     world_size: int
     rank: int
-    grad_accum: int
-    layout: BatchLayout
+    layout: BatchLayout  # the step's global batch at this world size
     attn_implementation: str
     adapter: AdapterConfig = field(default_factory=AdapterConfig)  # model.adapter (type none: full fine-tuning)
     params: ParamCount = ParamCount(0, 0)  # trainable / total, counted before DeepSpeed wraps the model
     keepalive: list[Any] = field(default_factory=list)  # e.g. HfDeepSpeedConfig (must outlive loading)
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per optimizer step on this rank (the layout's, at this world size)."""
+        return self.layout.grad_accum
 
     @property
     def zero_stage(self) -> int:
@@ -223,7 +227,6 @@ def build_engine(cfg: Config, load_universal: bool = False) -> TrainEngine:
         device=torch.device(get_accelerator().current_device_name()),
         world_size=world_size,
         rank=dist.get_rank(),
-        grad_accum=layout.grad_accum,
         layout=layout,
         attn_implementation=attn,
         adapter=cfg.model.adapter,
