@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None, default_config: Path, description: str) -
 
 def load_or_exit(config: str, overrides: list[str]) -> Config:
     """The validated config, or exit(2) with the error (which names the key) on stderr."""
-    from pipelines.train.trainer import preflight
+    from pipelines.train.preflight import preflight
 
     try:
         cfg = load_config(config, overrides)

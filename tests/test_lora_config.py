@@ -28,7 +28,7 @@ def _cfg(adapter: dict | None = None, **sections):
 
 
 def _preflight(cfg) -> None:
-    from pipelines.train.trainer import preflight
+    from pipelines.train.preflight import preflight
 
     preflight(cfg)
 

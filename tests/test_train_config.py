@@ -12,8 +12,8 @@ import pytest
 
 from pipelines.config import ConfigError, TrainConfig, load_config
 from pipelines.train.deepspeed_config import resolve_deepspeed_config, zero_stage
+from pipelines.train.preflight import preflight
 from pipelines.train.schedule import effective_scheduler, lr_multiplier
-from pipelines.train.trainer import preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,14 +18,12 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from pipelines.config import Config, ConfigError
-from pipelines.stream.batch import batch_layout
+from pipelines.config import Config
 from pipelines.stream.spec import build_spec, given_spec
-from pipelines.train.adapter import preflight_adapter
 from pipelines.train.checkpoint import check_resume
-from pipelines.train.deepspeed_config import resolve_deepspeed_config
 from pipelines.train.loop import payload, train_loop_per_worker
-from pipelines.train.storage import is_remote, ray_storage, storage_root
+from pipelines.train.preflight import preflight
+from pipelines.train.storage import ray_storage, storage_root
 
 if TYPE_CHECKING:
     import ray.data
@@ -35,23 +33,6 @@ if TYPE_CHECKING:
 def has_eval(cfg: Config) -> bool:
     """An eval split exists when eval datasets or a held-out fraction are configured."""
     return bool(cfg.data.eval_datasets or cfg.data.eval_fraction)
-
-
-def preflight(cfg: Config) -> None:
-    """Checks that need no cluster; raises :class:`ConfigError` naming the key."""
-    try:
-        resolve_deepspeed_config(cfg.train, cfg.scaling.max_workers, cfg.scaling.use_gpu, cfg.base_dir,
-                                 grad_accum=batch_layout(cfg.train, cfg.scaling, cfg.scaling.max_workers).grad_accum)
-    except (ValueError, OSError) as err:
-        raise ConfigError(str(err)) from None
-    if cfg.model.attn_implementation == "flash_attention_2" and not cfg.scaling.use_gpu:
-        raise ConfigError("model.attn_implementation: flash_attention_2 needs scaling.use_gpu=true")
-    resume = cfg.run.resume
-    if resume not in ("auto", "never") and not is_remote(resume) and not os.path.exists(os.path.expanduser(resume)):
-        raise ConfigError(f"run.resume: {resume!r} is neither auto, never nor an existing checkpoint path")
-    if cfg.model.init is None and cfg.model.name_or_path is None:
-        raise ConfigError("model: set model.name_or_path or model.init")
-    preflight_adapter(cfg)  # QLoRA needs GPU + bitsandbytes; target_modules must match the architecture
 
 
 def _worker_env(use_gpu: bool) -> dict[str, Any] | None:
