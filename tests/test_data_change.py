@@ -20,7 +20,7 @@ from test_feeder import drive
 from pipelines.sources.listing import split_sample_id
 from pipelines.stream.feeder import start_feeder
 from pipelines.stream.ledger import Ledger
-from pipelines.stream.resume import DataChangeError
+from pipelines.stream.resume import DataChangeError, resume_state
 from pipelines.stream.spec import build_spec
 
 pytestmark = needs_shared  # the GPT-2 tokenizer of ../shared/data
@@ -131,20 +131,20 @@ def test_continue_refuses_a_changed_source_or_another_change(tmp_path, ray_local
     _, last = drive(first, WORLD, max_steps=5)
     saved = ray.get(first.commit.remote(last))
     ray.kill(first)
-    # another sequence_len is not a change of the mix: refused, naming it
-    other = start_feeder(_cfg(tmp_path, {"a": 1.0, "b": 1.0}, sequence_len=128), WORLD, WORLD * K, None, root)
+    # another sequence_len is not a change of the mix: refused, naming it (the decision the feeder applies,
+    # taken here on the new run's spec as the driver takes it before any worker starts)
     with pytest.raises(DataChangeError, match=r"data.sequence_len: 96 -> 128"):
-        ray.get(other.resume.remote(saved, 5, 0, "continue", "step 5"))
-    # a record appended to a's file: a is not the stream it was
+        resume_state(saved, 5, 0, build_spec(_cfg(tmp_path, {"a": 1.0, "b": 1.0}, sequence_len=128)), "continue",
+                     "step 5")
+    # a record appended to a's file: a is not the stream it was (through the feeder of the resumed run)
     with open(tmp_path / "a.jsonl", "a", encoding="utf-8") as f:
         f.write(json.dumps({"text": "a-late w w w"}) + "\n")
     grown = start_feeder(_cfg(tmp_path, {"a": 1.0, "b": 1.0}), WORLD, WORLD * K, None, root)
     with pytest.raises(DataChangeError, match="source '.*a.jsonl' is not the stream it was"):
         ray.get(grown.resume.remote(saved, 5, 0, "continue", "step 5"))
     # under fail (the default) an added dataset is refused too, naming it
-    added = start_feeder(_cfg(tmp_path, {"b": 1.0, "c": 1.0}), WORLD, WORLD * K, None, root)
     with pytest.raises(DataChangeError, match=r"data.datasets\[1\].path"):
-        ray.get(added.resume.remote(saved, 5, 0, "fail", "step 5"))
+        resume_state(saved, 5, 0, build_spec(_cfg(tmp_path, {"b": 1.0, "c": 1.0})), "fail", "step 5")
     assert Ledger(pafs.LocalFileSystem(), root).changes() == []
 
 
@@ -152,8 +152,6 @@ def test_a_file_added_mid_run_waits_for_the_next_run_which_applies_on_data_chang
     """The spec is the run's: a file that appears under the prefix while the run goes on (a worker group
     restarted from the spec streams the files the run started with) is seen by the next run's spec, whose
     resume refuses it (fail) or restarts the data (restart)."""
-    from pipelines.stream.resume import resume_state
-
     d = tmp_path / "prefix"
     d.mkdir()
     for k in range(2):

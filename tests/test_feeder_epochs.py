@@ -31,10 +31,17 @@ def _epochs_of(feeder, start: int = 0):
     return out
 
 
-@pytest.mark.parametrize("cut", ["last_step_of_epoch_0", "first_step_of_epoch_1"])
-def test_checkpoint_at_an_epoch_boundary_resumes_into_the_next_epoch(tmp_path, ray_local, cut):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, ray_local):
+    """The data, and the 2-epoch run without a cut that both cuts are compared with."""
+    tmp_path = tmp_path_factory.mktemp("epochs")
     cfg = _config(tmp_path)
-    full = _epochs_of(start_feeder(cfg, WORLD, WORLD * K, None, None, epochs=2))
+    return tmp_path, cfg, _epochs_of(start_feeder(cfg, WORLD, WORLD * K, None, None, epochs=2))
+
+
+@pytest.mark.parametrize("cut", ["last_step_of_epoch_0", "first_step_of_epoch_1"])
+def test_checkpoint_at_an_epoch_boundary_resumes_into_the_next_epoch(uninterrupted, cut):
+    tmp_path, cfg, full = uninterrupted
     per_epoch = [sum(1 for e, _, _ in full if e == epoch) for epoch in (0, 1)]
     assert per_epoch[0] > 5 and per_epoch[1] > 5
     at = per_epoch[0] + (cut == "first_step_of_epoch_1")
