@@ -18,14 +18,25 @@ process (``--child NAME``) so imports, ``ray.init`` and memory never leak betwee
   place (``local=`` only); the tokenizer and the dataset object are made before the clock starts.
 * ``*_tok_*``: the same, on pre-tokenized MDS in llm-foundry's concatenated-tokens layout (one
   ``tokens: ndarray:int32`` column of 2048-token samples, made here before any clock): nobody tokenizes.
-* ``convert``: ``ray_jobs/convert.py --tokenize`` (2 write tasks) JSONL -> tokenized MDS, vs
-  ``tokenize_loop``: one process reading the same JSONL, formatting each record with the same
-  template, tokenizing in batches of 1,000 (the fast tokenizer, 2 threads, loaded before the clock)
-  and writing ``input_ids`` with ``MDSWriter`` (no label masks: less work than ours). Both convert
-  their own, larger JSONL set (``--convert-mb``, 200 MB: issue 10 asks for the largest corpus this
-  machine holds comfortably, so that neither side's fixed costs decide).
+* ``convert``: ``ray_jobs/convert.py --tokenize`` (2 write tasks) JSONL -> tokenized MDS, vs two peers
+  that read the same JSONL, format each record with the same template, tokenize in batches of 1,000
+  (``encode_batch_fast``: ids only) and write ``input_ids`` with ``MDSWriter`` (no label masks: less
+  work than ours):
 
-Ratios > 1 mean ours is faster. Every system sees the same cores.
+  - ``mosaic_procs``: mosaic's documented parallel conversion ("Parallel dataset conversion", option 2):
+    a ``multiprocessing.Pool`` of as many processes as our write tasks (2), each converting its
+    contiguous group of files into ``out/<k>`` with its own ``MDSWriter`` and a one-thread tokenizer,
+    then ``streaming.base.util.merge_index(out)``. The clock covers the pool's start (each process
+    loads its tokenizer, as each of our tasks does) and the merge.
+  - ``tokenize_loop``: one process, the tokenizer's own Rust threads (2; ``TOKENIZERS_PARALLELISM``
+    on), the tokenizer loaded before the clock.
+
+  The better of the two is "the peer". All convert their own, larger JSONL set (``--convert-mb``,
+  200 MB, so that neither side's fixed costs decide).
+
+Runs are interleaved: each round runs every case once, in the same order, and a case's figures are the
+median of its rounds, with the spread (min-max of total seconds) beside it. ``--cases`` picks a subset
+(``read``, ``tok``, ``convert``). Ratios > 1 mean ours is faster. Every system sees the same cores.
 """
 
 from __future__ import annotations
@@ -302,30 +313,76 @@ def run_convert(p: dict[str, Any]) -> dict[str, Any]:
     return {"total_s": result["seconds"], "wall_s": wall, "rows": result["rows"], "shards": result["shards"]}
 
 
-def run_tokenize_loop(p: dict[str, Any]) -> dict[str, Any]:
-    """The plain single-process peer of ``convert.py --tokenize``: format, tokenize in batches, MDSWriter."""
-    import numpy as np
-    from streaming import MDSWriter
+def _gpt2_tokenizer() -> Any:
     from tokenizers import Tokenizer
 
-    sys.path.insert(0, str(ROOT))
-    os.environ["RAYON_NUM_THREADS"] = "2"
-    tok = Tokenizer.from_file(str(GPT2 / "tokenizer.json"))  # before the clock
+    tok = Tokenizer.from_file(str(GPT2 / "tokenizer.json"))
     tok.no_truncation()
+    return tok
+
+
+def _write_tokenized(files: list[Path], out: str, shard_bytes: int, tok: Any) -> int:
+    """Format, tokenize in batches of 1,000 (ids only) and write ``input_ids`` with mosaic's ``MDSWriter``."""
+    import numpy as np
+    from streaming import MDSWriter
+
     eos = tok.token_to_id("<|endoftext|>")
-    _alpaca_texts([{"instruction": "warm up", "input": "", "output": "x"}])
-    t = time.perf_counter()
     rows = 0
-    with MDSWriter(out=p["out"], columns={"input_ids": "ndarray:int32"}, compression="zstd", hashes=["xxh64"],
-                   size_limit=p["shard_bytes"]) as w:
-        for path in sorted(Path(p["jsonl"]).glob("*.jsonl")):
+    with MDSWriter(out=out, columns={"input_ids": "ndarray:int32"}, compression="zstd", hashes=["xxh64"],
+                   size_limit=shard_bytes) as w:
+        for path in files:
             with open(path, encoding="utf-8") as f:
                 recs = [json.loads(line) for line in f]
             for b in range(0, len(recs), 1000):
                 for enc in tok.encode_batch_fast(_alpaca_texts(recs[b : b + 1000])):  # ids only: no offsets
                     w.write({"input_ids": np.asarray(enc.ids + [eos], np.int32)})
                     rows += 1
+    return rows
+
+
+def run_tokenize_loop(p: dict[str, Any]) -> dict[str, Any]:
+    """One process: format, tokenize in batches on the tokenizer's 2 Rust threads, MDSWriter."""
+    sys.path.insert(0, str(ROOT))
+    os.environ.update(TOKENIZERS_PARALLELISM="true", RAYON_NUM_THREADS="2")  # read by the Rust side at encode time
+    import streaming  # noqa: F401  (a conversion script imports it first: before the clock)
+
+    tok = _gpt2_tokenizer()  # before the clock
+    _alpaca_texts([{"instruction": "warm up", "input": "", "output": "x"}])
+    t = time.perf_counter()
+    rows = _write_tokenized(sorted(Path(p["jsonl"]).glob("*.jsonl")), p["out"], p["shard_bytes"], tok)
     return {"total_s": time.perf_counter() - t, "rows": rows}
+
+
+def _convert_group(args: tuple[list[str], str, int]) -> int:
+    """One process of the ``mosaic_procs`` peer: its files into its own partition, one tokenizer thread."""
+    files, out, shard_bytes = args
+    sys.path.insert(0, str(ROOT))
+    return _write_tokenized([Path(f) for f in files], out, shard_bytes, _gpt2_tokenizer())
+
+
+def run_mosaic_procs(p: dict[str, Any]) -> dict[str, Any]:
+    """mosaic's parallel conversion: a Pool of ``procs`` processes, one partition each, then ``merge_index``."""
+    import multiprocessing
+
+    import streaming  # noqa: F401  (imported by the script before the clock; the forked processes inherit it)
+
+    sys.path.insert(0, str(ROOT))
+    _alpaca_texts([{"instruction": "warm up", "input": "", "output": "x"}])  # the formatter's imports, likewise
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per process: ``procs`` processes on ``procs`` cores
+    files = sorted(str(f) for f in Path(p["jsonl"]).glob("*.jsonl"))
+    n = p.get("procs", 2)
+    per = -(-len(files) // n)
+    groups = [(files[k * per : (k + 1) * per], os.path.join(p["out"], str(k)), p["shard_bytes"]) for k in range(n)]
+    t = time.perf_counter()
+    with multiprocessing.Pool(n) as pool:  # as mosaic's example: the platform's default start (fork on Linux)
+        rows = sum(pool.map(_convert_group, groups))
+    from streaming.base.util import merge_index
+
+    merge_index(p["out"], keep_local=True)
+    total = time.perf_counter() - t
+    if not Path(p["out"], "index.json").is_file():
+        raise RuntimeError("merge_index wrote no index.json")
+    return {"total_s": total, "rows": rows}
 
 
 def steady_rate(r: dict[str, Any]) -> float:
@@ -334,14 +391,23 @@ def steady_rate(r: dict[str, Any]) -> float:
     return (r["tokens"] - r["first_tokens"]) / max(r["total_s"] - r["ttfb_s"], 1e-9)
 
 
-SYSTEMS = {"ours": run_ours, "mosaic": run_mosaic, "convert": run_convert, "tokenize_loop": run_tokenize_loop}
+SYSTEMS = {"ours": run_ours, "mosaic": run_mosaic, "convert": run_convert, "tokenize_loop": run_tokenize_loop,
+           "mosaic_procs": run_mosaic_procs}
 
 
-def child(name: str, params: dict[str, Any], repeats: int = 1) -> dict[str, Any]:
-    """Run one system ``repeats`` times, each in a fresh interpreter; the run with the median total time,
-    with every run's ``total_s`` under ``runs_s``."""
-    runs = sorted((_child_once(name, params) for _ in range(repeats)), key=lambda r: r["total_s"])
-    return {**runs[len(runs) // 2], "runs_s": [round(r["total_s"], 3) for r in runs], "repeats": repeats}
+def interleaved(cases: dict[str, tuple[str, dict[str, Any]]], repeats: int) -> dict[str, dict[str, Any]]:
+    """Run every case (key -> (system, params)) once per round, ``repeats`` rounds, each run in a fresh
+    interpreter; per case, the run with the median total time, with every run's ``total_s`` (in round
+    order) under ``runs_s``. Interleaving spreads a slow spell of the machine over all cases alike."""
+    runs: dict[str, list[dict[str, Any]]] = {key: [] for key in cases}
+    for _ in range(repeats):
+        for key, (name, params) in cases.items():
+            runs[key].append(_child_once(name, params))
+    out = {}
+    for key, rs in runs.items():
+        ranked = sorted(rs, key=lambda r: r["total_s"])
+        out[key] = {**ranked[len(ranked) // 2], "runs_s": [round(r["total_s"], 3) for r in rs], "repeats": repeats}
+    return out
 
 
 def _child_once(name: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -352,7 +418,7 @@ def _child_once(name: str, params: dict[str, Any]) -> dict[str, Any]:
         shutil.rmtree(path, ignore_errors=True)
     python = sys.executable
     env = {**os.environ, **ENV}
-    if name in ("mosaic", "tokenize_loop"):  # mosaic's own code, in the venv that has it (tests/mosaic_venv.py)
+    if name in ("mosaic", "tokenize_loop", "mosaic_procs"):  # mosaic's own code, in the venv that has it (tests/mosaic_venv.py)
         from benchlib import mosaic_python  # benchmarks/ is this script's directory
 
         python = str(mosaic_python())
@@ -373,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny data (~2 MB): check every measurement runs")
     ap.add_argument("--mb", type=float, default=50.0, help="uncompressed size of the data the reads use")
     ap.add_argument("--convert-mb", type=float, default=200.0, help="size of the JSONL the conversion case uses")
-    ap.add_argument("--repeats", type=int, help="runs per system, median reported (default 3, quick 1)")
+    ap.add_argument("--repeats", type=int, help="interleaved rounds, median reported (default 5, quick 1)")
+    ap.add_argument("--cases", default="read,tok,convert", help="subset: read, tok (pre-tokenized reads), convert")
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "pipelines-mds-bench"))
     ap.add_argument("--child", nargs=2, metavar=("NAME", "JSON"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -382,37 +449,53 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.environ.update(ENV)
     mb, convert_mb, shard_bytes, files = (2.0, 2.0, 1 << 18, 4) if args.quick else (args.mb, args.convert_mb, 1 << 22, 16)
-    reps = args.repeats or (1 if args.quick else 3)
+    reps = args.repeats or (1 if args.quick else 5)
     work = Path(args.work)
-    data = prepare(work, mb, shard_bytes, files)
-    data.update(prepare_tokens(work, shard_bytes))
-    data.update(prepare_convert(work, convert_mb, files))
-    print(f"data: {data['samples']} samples ({data['copies']} copies of Alpaca+LIMA), {data['raw_mb']:.1f} MB "
-          f"uncompressed, {data['zstd_mb']:.1f} MB zstd in {data['shards']} shards; {files} JSONL files", flush=True)
-    print(f"convert data: {data['convert_samples']} samples ({data['convert_copies']} copies), "
-          f"{data['convert_mb']:.1f} MB of JSONL in {files} files", flush=True)
-    moto, endpoint = start_moto()
+    groups = set(args.cases.split(","))
+    unknown = groups - {"read", "tok", "convert"}
+    if unknown:
+        ap.error(f"--cases: unknown {sorted(unknown)} (read, tok, convert)")
+    data: dict[str, Any] = {}
+    if groups & {"read", "tok"}:
+        data.update(prepare(work, mb, shard_bytes, files))
+        data.update(prepare_tokens(work, shard_bytes))
+        print(f"data: {data['samples']} samples ({data['copies']} copies of Alpaca+LIMA), {data['raw_mb']:.1f} MB "
+              f"uncompressed, {data['zstd_mb']:.1f} MB zstd in {data['shards']} shards; {files} JSONL files", flush=True)
+    if "convert" in groups:
+        data.update(prepare_convert(work, convert_mb, files))
+        print(f"convert data: {data['convert_samples']} samples ({data['convert_copies']} copies), "
+              f"{data['convert_mb']:.1f} MB of JSONL in {files} files", flush=True)
+    moto, endpoint = start_moto() if groups & {"read", "tok"} else (None, "")
     try:
-        remote = upload(work / "mds", endpoint, f"{BUCKET}/mds")
-        remote_tok = upload(work / "mds_tokens", endpoint, f"{BUCKET}/mds_tokens")
-        results = {
-            "ours_local": child("ours", {"path": str(work / "mds")}, reps),
-            "mosaic_local": child("mosaic", {"local": str(work / "mds")}, reps),
-            "ours_s3": child("ours", {"path": remote, "endpoint": endpoint}, reps),
-            "mosaic_s3": child("mosaic", {"local": str(work / "cache-s3"), "remote": remote, "endpoint": endpoint}, reps),
-            "ours_tok_local": child("ours", {"path": str(work / "mds_tokens"), "tokens": True}, reps),
-            "mosaic_tok_local": child("mosaic", {"local": str(work / "mds_tokens"), "tokens": True}, reps),
-            "ours_tok_s3": child("ours", {"path": remote_tok, "endpoint": endpoint, "tokens": True}, reps),
-            "mosaic_tok_s3": child("mosaic", {"local": str(work / "cache-tok-s3"), "remote": remote_tok,
-                                              "endpoint": endpoint, "tokens": True}, reps),
-            "convert": child("convert", {"jsonl": str(work / "jsonl_convert"), "out": str(work / "converted"),
-                                         "shard_bytes": shard_bytes}, reps),
-            "tokenize_loop": child("tokenize_loop", {"jsonl": str(work / "jsonl_convert"), "out": str(work / "tokenize_loop"),
-                                                     "shard_bytes": shard_bytes}, reps),
-        }
+        cases: dict[str, tuple[str, dict[str, Any]]] = {}
+        if "read" in groups:
+            remote = upload(work / "mds", endpoint, f"{BUCKET}/mds")
+            cases.update({
+                "ours_local": ("ours", {"path": str(work / "mds")}),
+                "mosaic_local": ("mosaic", {"local": str(work / "mds")}),
+                "ours_s3": ("ours", {"path": remote, "endpoint": endpoint}),
+                "mosaic_s3": ("mosaic", {"local": str(work / "cache-s3"), "remote": remote, "endpoint": endpoint})})
+        if "tok" in groups:
+            remote_tok = upload(work / "mds_tokens", endpoint, f"{BUCKET}/mds_tokens")
+            cases.update({
+                "ours_tok_local": ("ours", {"path": str(work / "mds_tokens"), "tokens": True}),
+                "mosaic_tok_local": ("mosaic", {"local": str(work / "mds_tokens"), "tokens": True}),
+                "ours_tok_s3": ("ours", {"path": remote_tok, "endpoint": endpoint, "tokens": True}),
+                "mosaic_tok_s3": ("mosaic", {"local": str(work / "cache-tok-s3"), "remote": remote_tok,
+                                             "endpoint": endpoint, "tokens": True})})
+        if "convert" in groups:
+            jsonl = str(work / "jsonl_convert")
+            cases.update({
+                "convert": ("convert", {"jsonl": jsonl, "out": str(work / "converted"), "shard_bytes": shard_bytes}),
+                "mosaic_procs": ("mosaic_procs", {"jsonl": jsonl, "out": str(work / "mosaic_procs"),
+                                                  "shard_bytes": shard_bytes, "procs": 2}),
+                "tokenize_loop": ("tokenize_loop", {"jsonl": jsonl, "out": str(work / "tokenize_loop"),
+                                                    "shard_bytes": shard_bytes})})
+        results = interleaved(cases, reps)
     finally:
-        moto.terminate()
-        moto.wait(10)
+        if moto is not None:
+            moto.terminate()
+            moto.wait(10)
     labels = {"ours_local": "build_dataset, local MDS", "mosaic_local": "mosaic StreamingDataset+DataLoader(2), local",
               "ours_s3": "build_dataset, MDS on S3 (moto)", "mosaic_s3": "mosaic StreamingDataset+DataLoader(2), S3 (moto)",
               "ours_tok_local": "build_dataset, pre-tokenized MDS, local",
@@ -420,20 +503,22 @@ def main(argv: list[str] | None = None) -> int:
               "ours_tok_s3": "build_dataset, pre-tokenized MDS on S3 (moto)",
               "mosaic_tok_s3": "mosaic StreamingDataset+DataLoader(2), pre-tokenized, S3 (moto)",
               "convert": "ray_jobs/convert.py --tokenize JSONL -> MDS (2 tasks)",
-              "tokenize_loop": "one process: tokenize + MDSWriter loop JSONL -> MDS"}
-    print(f"\nmedian of {reps} run(s) per system, each in a fresh process")
-    print("\n| system | total s | first batch s | start-up s | rows | tokens | Mtok/s | Mtok/s after the first batch "
-          "| runs (total s) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+              "mosaic_procs": "mosaic parallel conversion: Pool(2) x MDSWriter + merge_index",
+              "tokenize_loop": "one process: tokenize (2 threads) + MDSWriter loop"}
+    print(f"\nmedian of {reps} interleaved run(s) per system, each in a fresh process; spread: min-max of total s")
+    print("\n| system | total s | spread s | first batch s | start-up s | rows | tokens | Mtok/s "
+          "| Mtok/s after the first batch | runs in round order (total s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for name, r in results.items():
         startup = r.get("init_s", r.get("wall_s", r["total_s"]) - r["total_s"])
         tokens = r.get("tokens")
-        print(f"| {labels[name]} | {r['total_s']:.2f} | " + (f"{r['ttfb_s']:.2f}" if r.get("ttfb_s") else "") +
-              f" | {startup:.2f} | {r['rows']} | {tokens or ''} | " +
+        spread = f"{min(r['runs_s']):.2f}-{max(r['runs_s']):.2f}"
+        print(f"| {labels[name]} | {r['total_s']:.2f} | {spread} | " + (f"{r['ttfb_s']:.2f}" if r.get("ttfb_s") else "")
+              + f" | {startup:.2f} | {r['rows']} | {tokens or ''} | " +
               (f"{tokens / r['total_s'] / 1e6:.3f}" if tokens else "") + " | " +
               (f"{steady_rate(r) / 1e6:.3f}" if tokens else "") + f" | {r['runs_s']} |")
     summary: dict[str, Any] = {"data": data, "repeats": reps}
-    for where in ("local", "s3", "tok_local", "tok_s3"):
+    for where in [w for w in ("local", "s3", "tok_local", "tok_s3") if f"ours_{w}" in results]:
         a, b = results[f"ours_{where}"], results[f"mosaic_{where}"]
         ratio = (a["tokens"] / a["total_s"]) / (b["tokens"] / b["total_s"])
         same = a["tokens"] == b["tokens"]
@@ -442,11 +527,18 @@ def main(argv: list[str] | None = None) -> int:
         summary[f"read_{where}_steady_ratio"] = round(steady, 3)
         print(f"read {where:<9}: build_dataset / mosaic loader = {ratio:.2f}x tokens/s, {steady:.2f}x after each "
               f"one's first batch ({'same' if same else 'DIFFERENT'} token count: {a['tokens']} vs {b['tokens']})")
-    conv = results["tokenize_loop"]["total_s"] / results["convert"]["total_s"]
-    conv_wall = results["tokenize_loop"]["total_s"] / results["convert"]["wall_s"]
-    summary.update(convert_ratio=round(conv, 3), convert_ratio_with_startup=round(conv_wall, 3))
-    print(f"convert: convert.py --tokenize / tokenize + MDSWriter loop = {conv:.2f}x rows/s "
-          f"({conv_wall:.2f}x counting Ray start-up)")
+    if "convert" in results:
+        peers = {k: results[k] for k in ("mosaic_procs", "tokenize_loop")}
+        best = min(peers, key=lambda k: peers[k]["total_s"])
+        rows = {k: results[k]["rows"] for k in ("convert", *peers)}
+        if len(set(rows.values())) != 1:
+            raise RuntimeError(f"the conversions wrote different row counts: {rows}")
+        conv = peers[best]["total_s"] / results["convert"]["total_s"]
+        conv_wall = peers[best]["total_s"] / results["convert"]["wall_s"]
+        summary.update(convert_ratio=round(conv, 3), convert_ratio_with_startup=round(conv_wall, 3), convert_peer=best,
+                       convert_vs={k: round(v["total_s"] / results["convert"]["total_s"], 3) for k, v in peers.items()})
+        print(f"convert: convert.py --tokenize / the best peer ({labels[best]}) = {conv:.2f}x rows/s "
+              f"({conv_wall:.2f}x counting Ray start-up); vs each peer: {summary['convert_vs']}")
     print("RESULT " + json.dumps(summary))
     return 0
 
