@@ -267,7 +267,23 @@ NUMERIC_KEYS = ("init_s", "ttfb_s", "total_s", "steady_tok_s", "e2e_tok_s", "pea
 
 def repeat_system(name: str, params: dict[str, Any], repeats: int, **kw: Any) -> dict[str, Any]:
     """``repeats`` runs; numeric keys are medians, ``runs`` holds every run. Errors win if all fail."""
-    runs = [run_system(name, params, **kw) for _ in range(repeats)]
+    return summarize_runs(name, [run_system(name, params, **kw) for _ in range(repeats)])
+
+
+def interleave_systems(systems: dict[str, tuple[str, dict[str, Any], dict[str, str] | None]], repeats: int,
+                       **kw: Any) -> dict[str, dict[str, Any]]:
+    """Each of ``systems`` (key -> (system, params, env)) once per round, ``repeats`` rounds, in the same order:
+    a slow spell of the machine falls on every system alike. Per key, :func:`summarize_runs` of its rounds."""
+    runs: dict[str, list[dict[str, Any]]] = {key: [] for key in systems}
+    for _ in range(repeats):
+        for key, (name, params, env) in systems.items():
+            runs[key].append(run_system(name, params, env=env, **kw))
+    return {key: summarize_runs(systems[key][0], rs) for key, rs in runs.items()}
+
+
+def summarize_runs(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Runs of one system: numeric keys are medians, ``runs`` holds every run, ``steady_spread`` the min and max
+    steady tokens/s. Errors win if all fail."""
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return {"error": runs[-1]["error"], "system": name, "runs": runs}
@@ -278,6 +294,9 @@ def repeat_system(name: str, params: dict[str, Any], repeats: int, **kw: Any) ->
             out[key] = statistics.median(vals)
     out["repeats"] = len(ok)
     out["runs"] = [{k: r.get(k) for k in NUMERIC_KEYS if k in r} for r in runs]
+    steady = [r["steady_tok_s"] for r in ok if isinstance(r.get("steady_tok_s"), int | float)]
+    if steady:
+        out["steady_spread"] = [min(steady), max(steady)]
     if len(ok) < len(runs):
         out["failed_runs"] = len(runs) - len(ok)
     return out

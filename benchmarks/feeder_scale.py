@@ -10,7 +10,9 @@ bound. In one run, over the same blocks:
 
 * ``ceiling``: one plain ``ds.iter_batches()`` consumer in the driver (the Ray Data ceiling here);
 * ``feeder``: ``pipelines.stream.feeder.Feeder`` serving the blocks as a given dataset (the path of
-  ``build_trainer(cfg, train_dataset=ds)``: references + row ranges; ranks fetch and split rows).
+  ``build_trainer(cfg, train_dataset=ds)``: references + row ranges; ranks fetch and split rows);
+* ``split`` (the peer): Ray Data's own per-rank path, ``ds.streaming_split(N, equal=True)``, which Ray Train
+  gives each worker without the feeder; each rank iterates ``iter_batches(batch_size=8)`` (fresh rank actors).
 
 The feeder before its rewrite (``to_pylist``, row-by-row mixing, pickled lists of ints) was compared here
 as ``old`` until issue 41; its figures are in docs/benchmark_history.md.
@@ -179,6 +181,31 @@ class Rank:
         return {"tokens": tokens, "waits": waits, "start": t0, "end": time.perf_counter()}
 
 
+    def prime_split(self, it: Any) -> int:
+        """Ray Data's own per-rank path, ``ds.streaming_split(N)`` (what Ray Train hands each worker without the
+        feeder): open this rank's iterator and take its first step's rows before the clock (the split's execution
+        starts with them, as the feeder's stream starts before its clock); returns their tokens."""
+        self.split = iter(it.iter_batches(batch_size=K, batch_format="numpy"))
+        return self._tokens(next(self.split))
+
+    @staticmethod
+    def _tokens(batch: dict) -> int:
+        col = batch["input_ids"]
+        flat = np.concatenate(list(col)) if col.dtype == object else col.reshape(-1)  # the flatten collate
+        return int(flat.size)
+
+    def run_split(self) -> dict[str, Any]:
+        waits, tokens, t0 = [], 0, time.perf_counter()
+        while True:
+            w0 = time.perf_counter()
+            batch = next(self.split, None)
+            if batch is None:
+                break
+            waits.append(time.perf_counter() - w0)
+            tokens += self._tokens(batch)
+        return {"tokens": tokens, "waits": waits, "start": t0, "end": time.perf_counter()}
+
+
 def tree_cpu_s() -> float:
     """User + system CPU seconds of this process and all its descendants (Ray's raylet, GCS and
     every worker: the feeder, the ranks), as of now."""
@@ -215,6 +242,25 @@ def run_feeder(ds: ray.data.Dataset, ranks: list[Any], quiet_s: float) -> dict[s
             "cpu_s_per_m_tokens": (cpu1 - cpu0) / tokens * 1e6, "tree_cpu_s_per_m_tokens": tree / tokens * 1e6,
             "quiet_before": quiet, "wait_p50_ms": float(np.percentile(waits, 50) * 1e3),
             "wait_p99_ms": float(np.percentile(waits, 99) * 1e3), "feeder_peak_rss_mb": rss}
+
+
+def run_split(ds: ray.data.Dataset, ranks: list[Any], quiet_s: float) -> dict[str, Any]:
+    """The peer: ``ds.streaming_split(N, equal=True)`` (Ray Train's default for a train dataset), one iterator per
+    rank, ``iter_batches(batch_size=8)`` each, the same flatten as the feeder's ranks. Its first step per rank is
+    taken before the clock and counted (as the ceiling's first batch)."""
+    its = ds.streaming_split(len(ranks), equal=True)
+    first = sum(ray.get([r.prime_split.remote(it) for r, it in zip(ranks, its, strict=True)]))
+    quiet = wait_quiet(timeout_s=quiet_s)
+    tree0 = tree_cpu_s()
+    t0 = time.perf_counter()
+    res = ray.get([r.run_split.remote() for r in ranks])
+    wall = time.perf_counter() - t0
+    tree = tree_cpu_s() - tree0
+    tokens = first + sum(r["tokens"] for r in res)
+    waits = np.concatenate([r["waits"] for r in res])
+    return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": tokens / wall,
+            "tree_cpu_s_per_m_tokens": tree / tokens * 1e6, "quiet_before": quiet,
+            "wait_p50_ms": float(np.percentile(waits, 50) * 1e3), "wait_p99_ms": float(np.percentile(waits, 99) * 1e3)}
 
 
 def run_ceiling(ds: ray.data.Dataset, quiet_s: float) -> dict[str, Any]:
@@ -292,6 +338,11 @@ def main() -> None:
             out["per_n"][str(n)] = {"feeder": run_feeder(ds, ranks, quiet_s)}
             for r in ranks:
                 ray.kill(r)
+            ranks = [Rank.options(num_cpus=1.0 / n).remote(r) for r in range(n)]  # fresh ranks for the peer
+            ray.get([r.ready.remote() for r in ranks])
+            out["per_n"][str(n)]["split"] = run_split(ds, ranks, quiet_s)
+            for r in ranks:
+                ray.kill(r)
         except Exception as err:  # e.g. out of memory at large N: report it, keep the smaller N
             out["per_n"][str(n)] = {"error": repr(err)}
     out["load_avg_after"] = os.getloadavg()
@@ -301,6 +352,8 @@ def main() -> None:
         out["largest_n"] = done[-1]
         out["largest_n_ratio"] = per[-1]["tokens_per_s"] / out["ceiling"]["tokens_per_s"]
         out["max_cpu_s_per_m_tokens"] = max(p["cpu_s_per_m_tokens"] for p in per)
+        out["split_ratio"] = {str(n): out["per_n"][str(n)]["feeder"]["tokens_per_s"]
+                              / out["per_n"][str(n)]["split"]["tokens_per_s"] for n in done}
     ray.shutdown()
     print(f"rows {total_rows} x {SEQ} tokens = {total_rows * SEQ / 1e6:.1f} M tokens; each system reads them once per N; "
           f"load average before/after {out['load_avg_before'][0]:.1f}/{out['load_avg_after'][0]:.1f}")
@@ -315,12 +368,17 @@ def main() -> None:
         if "error" in per:
             print(f"| {n} | - | not run: {per['error'][:80]} | | | | | | |")
             continue
-        for key in [k for k in ("feeder",) if k in per]:
+        for key in [k for k in ("feeder", "split") if k in per]:
             r = per[key]
-            print(f"| {n} | {key} | {r['tokens_per_s'] / 1e6:.2f} | {r['tokens_per_s'] / ceiling:.2f}x | "
-                  f"{r['cpu_s_per_m_tokens']:.4f} | {r['tree_cpu_s_per_m_tokens']:.3f} | "
-                  f"{r['wait_p50_ms']:.1f} / {r['wait_p99_ms']:.1f} | {r['feeder_peak_rss_mb']:.0f} | "
+            label = "feeder" if key == "feeder" else "ds.streaming_split(N) (peer)"
+            feeder_cols = (f"{r['cpu_s_per_m_tokens']:.4f}", f"{r['feeder_peak_rss_mb']:.0f}") if key == "feeder" \
+                else ("-", "-")
+            print(f"| {n} | {label} | {r['tokens_per_s'] / 1e6:.2f} | {r['tokens_per_s'] / ceiling:.2f}x | "
+                  f"{feeder_cols[0]} | {r['tree_cpu_s_per_m_tokens']:.3f} | "
+                  f"{r['wait_p50_ms']:.1f} / {r['wait_p99_ms']:.1f} | {feeder_cols[1]} | "
                   f"{r['quiet_before']['busy']:.0%} |")
+    for n, ratio in out.get("split_ratio", {}).items():
+        print(f"N={n}: feeder / ds.streaming_split(N) = {ratio:.2f}x delivered tokens/s")
     if any("error" not in v for v in out["per_n"].values()):
         try:
             plot(out, Path(args.plot))

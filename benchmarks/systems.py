@@ -156,6 +156,12 @@ def sys_load(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def sys_hf_stream(p: dict[str, Any]) -> dict[str, Any]:
+    """``load_dataset(..., streaming=True).map(batched=True)``, tokenizing with ``p["call"]``:
+
+    * ``tok`` (default): the transformers call, ``tok(texts)["input_ids"]``, as the datasets docs show it;
+    * ``fast``: the backend's ``encode_batch_fast`` (ids only, no offsets), the call ours makes, run with
+      ``USE_TORCH=0`` by the caller so that transformers does not import torch.
+    """
     from datasets import load_dataset
     from datasets.utils.logging import disable_progress_bar
 
@@ -163,17 +169,22 @@ def sys_hf_stream(p: dict[str, Any]) -> dict[str, Any]:
     tok = load_hf_tokenizer(p["tokenizer"])
     eos = tok.eos_token
     files = sorted(str(x) for x in Path(p["data"]).glob("*.jsonl"))
+    fast = p.get("call", "tok") == "fast"
+    backend = tok.backend_tokenizer
     clock = Clock()
 
     def tokenize(batch: dict[str, list]) -> dict[str, list]:
-        return {"input_ids": tok(alpaca_batch_texts(batch, eos))["input_ids"]}
+        texts = alpaca_batch_texts(batch, eos)
+        if fast:
+            return {"input_ids": [e.ids for e in backend.encode_batch_fast(texts)]}
+        return {"input_ids": tok(texts)["input_ids"]}
 
     ds = load_dataset("json", data_files=files, split="train", streaming=True)
     ds = ds.map(tokenize, batched=True, batch_size=int(p.get("batch_size", 1000)), remove_columns=["instruction", "input", "output"])
     for batch in ds.iter(batch_size=int(p.get("batch_size", 1000))):
         ids = batch["input_ids"]
         clock.batch(sum(len(x) for x in ids), len(ids))
-    return clock.result()
+    return clock.result(torch_imported="torch" in sys.modules)
 
 
 # --------------------------------------------------------------------------- ours

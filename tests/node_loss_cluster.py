@@ -2,7 +2,10 @@
 
 Run as a child process (it starts its own Ray)::
 
-    python tests/node_loss_cluster.py <tmp dir> <scenario>
+    python tests/node_loss_cluster.py <tmp dir> <scenario>[,<scenario>...]
+
+The scenarios run one after another on one cluster; before each, the nodes the one before lost are replaced
+(``_topology``), so each starts from the nodes below.
 
 Nodes (``ray.cluster_utils.Cluster``, every raylet on 127.0.0.1, each its own node to Ray):
 
@@ -16,12 +19,13 @@ Scenarios:
 * ``recover``: once the second checkpoint is saved (and in the ledger), kill (SIGKILL of all its processes)
   the training node that holds rank 0 and the data feeder; once the restored run has started the
   tokenizer actors of its new stream, kill the CPU node. After each kill a fresh node with the same
-  resources joins, as a cluster autoscaler would replace it. ``run.max_failures=3``.
+  resources joins, as a cluster autoscaler would replace it. ``run.max_failures=3``; 2 workers with the
+  elastic run's settings (ZeRO-2, its learning rate), so that its losses are the elastic run's reference.
 * ``fail``: the same first kill with ``run.max_failures=0``: the fit fails.
 * ``elastic``: ``scaling.num_workers: [1, 2]`` with ZeRO-2. Once the second checkpoint is saved, kill the
   training node of rank 0 and the feeder, with no replacement: the group restarts with 1 worker. Once that
   worker has written a checkpoint of its own, add the node back: Ray Train's resize check grows the group
-  to 2 again. Then a reference run, 2 workers from start to end, trains the same data for the loss curve.
+  to 2 again. Its losses are compared with the ``recover`` run's.
 * ``min_workers``: ``scaling.num_workers: [2, 3]``; kill a training node with no replacement: one worker
   can be placed, fewer than the min, and the run fails after ``scaling.min_workers_timeout_s``.
 * ``bench_steps`` / ``bench_minutes`` (benchmarks/elastic_resume.py): ``[1, 2]`` workers, 14 steps, checkpoints
@@ -31,7 +35,7 @@ Scenarios:
   manifest's preStop hook runs on the pod's SIGTERM; once the run has checkpointed for the notice, the node
   goes. The group restarts with 1 worker from that checkpoint.
 
-Prints one ``NODE_LOSS {...}`` JSON line: what was killed, the fit's outcome and error.
+Prints one ``NODE_LOSS {...}`` JSON line per scenario: what was killed, the fit's outcome and error.
 """
 
 from __future__ import annotations
@@ -233,17 +237,18 @@ def _scenario_config(tmp: Path, name: str, scenario: str):
     """The run of each scenario: tests/test_exactly_once_train.py's tiny run, placed on the nodes above."""
     placed = {"tokenize": {"num_actors": 1, "num_cpus": 0.25, "resources": {"cpu_node": 1}},
               "worker_resources": {"CPU": 0.5, "train_node": 1}}
-    if scenario in ("recover", "fail"):
-        return _config(tmp, name, 2, checkpoint_every_steps=2, max_failures=3 if scenario == "recover" else 0,
-                       **placed)
+    if scenario == "fail":
+        return _config(tmp, name, 2, checkpoint_every_steps=2, max_failures=0, **placed)
     if scenario.startswith("bench_"):  # checkpoints every 4 steps, or every 0.1 min (~4 steps here)
         every = {"checkpoint_every_steps": 4} if scenario == "bench_steps" else {
             "checkpoint_every_steps": None, "checkpoint_every_minutes": 0.1}
         cfg = _config(tmp, name, [1, 2], max_failures=-1, deepspeed="zero2", max_steps=14, **every, **placed)
         cfg.run.checkpoint_upload = "async"
         return cfg
-    workers = [2, 3] if scenario == "min_workers" else [1, 2]
-    cfg = _config(tmp, name, workers if scenario != "elastic_ref" else 2, max_failures=-1, deepspeed="zero2",
+    # recover: 2 workers, fixed; its losses are the elastic run's reference (a restore at the same world size
+    # trains every step as the uninterrupted run does: tests/test_exactly_once_train.py checks that).
+    workers = {"min_workers": [2, 3], "recover": 2}.get(scenario, [1, 2])
+    cfg = _config(tmp, name, workers, max_failures=3 if scenario == "recover" else -1, deepspeed="zero2",
                   checkpoint_every_steps=None if scenario == "preempt" else 2, learning_rate=LOSS_CURVE_LR, **placed)
     cfg.scaling.resize_check_s = 2.0
     cfg.scaling.min_workers_timeout_s = 45.0
@@ -251,20 +256,28 @@ def _scenario_config(tmp: Path, name: str, scenario: str):
     return cfg
 
 
-def main(tmp: Path, scenario: str) -> None:
-    keep_on_loopback()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "node_ip_address": LOOPBACK, "num_cpus": 1, "include_dashboard": False, "_system_config": HEALTH})
-    nodes = {"cpu": cluster.add_node(node_ip_address=LOOPBACK, **CPU_NODE),
-             "train-a": cluster.add_node(node_ip_address=LOOPBACK, **TRAIN_NODE),
-             "train-b": cluster.add_node(node_ip_address=LOOPBACK, **TRAIN_NODE)}
-    ray.init(address=cluster.address, log_to_driver=False)
+def _topology(cluster: Cluster, nodes: dict[str, object]) -> dict[str, object]:
+    """The nodes a scenario starts from: ``cpu``, ``train-a`` and ``train-b``. The nodes a scenario before lost are
+    replaced (as a cluster autoscaler would), and the survivors are labelled afresh."""
+    trains = [n for k, n in nodes.items() if k.startswith("train")]
+    cpus = [n for k, n in nodes.items() if k.startswith("cpu")]
+    while len(trains) < 2:
+        trains.append(cluster.add_node(node_ip_address=LOOPBACK, **TRAIN_NODE))
+    if not cpus:
+        cpus.append(cluster.add_node(node_ip_address=LOOPBACK, **CPU_NODE))
+    return {"cpu": cpus[0], "train-a": trains[0], "train-b": trains[1]}
+
+
+def run_scenario(cluster: Cluster, nodes: dict[str, object], tmp: Path, scenario: str) -> dict:
+    """One scenario's fit on the cluster, with its chaos beside it; what happened (the ``NODE_LOSS`` line)."""
     name = f"nodeloss_{scenario}"
     cfg = _scenario_config(tmp, name, scenario)
     # A replacement node takes ~30 s to join on a busy 2-core machine: wait for it, not Ray's 60 s. An elastic
     # run's first restart after a node loss tries the old size (Ray's view of the cluster is refreshed every
-    # 20 s) and waits this long before it restarts with the workers that can be placed: 30 s here.
-    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300" if scenario in ("recover", "fail") else "30")
+    # 20 s) and waits this long before it restarts with the workers that can be placed: 30 s here. Read by
+    # Ray Train from the driver's environment when the fit starts.
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = _START_TIMEOUT or (
+        "300" if scenario in ("recover", "fail") else "30")
     from pipelines.train.trainer import build_trainer
 
     outcome = {"ok": False, "error": None, "error_type": None}
@@ -282,14 +295,32 @@ def main(tmp: Path, scenario: str) -> None:
     chaos = Chaos(cluster, nodes, tmp, name, scenario)
     chaos.run()
     thread.join(timeout=None if chaos.error is None else 1)  # a failed kill plan must not wait on a stuck fit
-    if scenario == "elastic" and chaos.error is None:  # the uninterrupted run, for the loss curve
-        build_trainer(_scenario_config(tmp, "nodeloss_elastic_ref", "elastic_ref")).fit()
-    print("NODE_LOSS " + json.dumps({**outcome, "events": chaos.events, "chaos_error": chaos.error,
-                                     "name": name}), flush=True)
+    return {**outcome, "scenario": scenario, "events": chaos.events, "chaos_error": chaos.error, "name": name,
+            "done": not thread.is_alive()}
+
+
+# A start timeout given to this script wins over the scenarios' own.
+_START_TIMEOUT = os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S")
+
+
+def main(tmp: Path, scenarios: list[str]) -> None:
+    """Run ``scenarios`` one after another on one cluster (its start is paid once); one ``NODE_LOSS`` line each."""
+    keep_on_loopback()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "node_ip_address": LOOPBACK, "num_cpus": 1, "include_dashboard": False, "_system_config": HEALTH})
+    nodes: dict[str, object] = {}
+    nodes = _topology(cluster, nodes)
+    ray.init(address=cluster.address, log_to_driver=False)
+    for scenario in scenarios:
+        nodes = _topology(cluster, nodes)
+        res = run_scenario(cluster, nodes, tmp, scenario)
+        print("NODE_LOSS " + json.dumps(res), flush=True)
+        if not res["done"]:  # a fit still running would take the next scenario's nodes
+            break
     ray.shutdown()
     cluster.shutdown()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(Path(sys.argv[1]), sys.argv[2].split(","))
     os._exit(0)

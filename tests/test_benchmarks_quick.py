@@ -50,9 +50,17 @@ def test_quick_numbers_are_real(quick_run):
     md, results = quick_run.md, quick_run.results
     ing = results["ingest"]
     # B1 ceiling and the systems of B2 measured real throughput.
-    for key in ("raw 1t", "raw 2t", "raw offsets 2t", "hf_stream"):
+    for key in ("raw 1t", "raw 2t", "raw offsets 2t", "hf_stream_tok", "hf_stream_fast", "hf_stream"):
         assert "error" not in ing[key], ing[key]
         assert ing[key]["steady_tok_s"] > 0 and ing[key]["tokens"] > 100_000
+    # HF streaming both ways: the same tokens, the fast path without torch; "hf_stream" is the faster one.
+    assert ing["hf_stream_tok"]["tokens"] == ing["hf_stream_fast"]["tokens"]
+    assert ing["hf_stream_fast"]["torch_imported"] is False
+    best = ing["hf_stream"]["variant"]
+    other = {"hf_stream_tok": "hf_stream_fast", "hf_stream_fast": "hf_stream_tok"}[best]
+    assert ing["hf_stream"]["e2e_tok_s"] == ing[best]["e2e_tok_s"]  # the variant's own figures
+    assert max(ing[best]["steady_tok_s"], ing[best]["e2e_tok_s"]) >= min(ing[other]["steady_tok_s"],
+                                                                         ing[other]["e2e_tok_s"])
     ours = ing["ours"]
     assert "error" not in ours, ours
     assert ours["steady_tok_s"] > 0 and ours["e2e_tok_s"] > 0 and ours["init_s"] > 0 and ours["ttfb_s"] > 0
@@ -90,20 +98,21 @@ def test_quick_numbers_are_real(quick_run):
 @needs_shared
 @pytest.mark.timeout(900)
 def test_quick_feeder_scale_delivers_every_token_to_the_ranks(quick_run):
-    """B8 (feeder_scale.py --quick): the feeder (and the old one, while feeder_scale.py still runs it)
-    delivers the whole stream to N ranks."""
+    """B8 (feeder_scale.py --quick): the feeder and its peer, Ray Data's ds.streaming_split(N), each deliver the
+    whole stream to N ranks."""
     md, results = quick_run.md, quick_run.results
     b8 = results["B8"]
     assert b8["status"] == "ok", b8
     r = b8["results"][-1]
     assert r["tokens"] == r["rows"] * 2048 and r["ceiling"]["tokens"] == r["tokens"]
     for n, per in r["per_n"].items():
-        for key in ("feeder",):
+        for key in ("feeder", "split"):  # the feeder and its peer, ds.streaming_split(N)
             assert per[key]["tokens"] == r["tokens"], (n, key, per[key])  # every row, once, to some rank
-            assert per[key]["tokens_per_s"] > 0 and per[key]["cpu_s_per_m_tokens"] > 0, (n, key)
-            assert per[key]["feeder_peak_rss_mb"] > 0
+            assert per[key]["tokens_per_s"] > 0 and per[key]["wait_p99_ms"] >= per[key]["wait_p50_ms"] >= 0, (n, key)
+        assert per["feeder"]["cpu_s_per_m_tokens"] > 0 and per["feeder"]["feeder_peak_rss_mb"] > 0
+        assert r["split_ratio"][n] == pytest.approx(per["feeder"]["tokens_per_s"] / per["split"]["tokens_per_s"])
     assert set(r["per_n"]) == {"2", "4"}
-    assert "| 4 | feeder |" in md
+    assert "| 4 | feeder |" in md and "| 4 | ds.streaming_split(N) (peer) |" in md
 
 
 def _load_run_module():

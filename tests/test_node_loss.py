@@ -1,8 +1,9 @@
 """Node loss, not just process loss: a loopback multi-node Ray cluster loses nodes mid-epoch.
 
-Each test runs tests/node_loss_cluster.py in a child process (it starts its own Ray cluster: a head,
-a CPU-only tokenizer node and two training nodes, all raylets on 127.0.0.1) and reads the run's
-ledger here. Both train the tiny Llama of tests/test_exactly_once_train.py on its 600 samples.
+One child process (tests/node_loss_cluster.py) starts a Ray cluster (a head, a CPU-only tokenizer node and
+two training nodes, all raylets on 127.0.0.1) and runs every scenario on it, one after another, replacing
+the nodes each lost; each test reads its scenario's outcome, metrics and ledger here. All train the tiny
+Llama of tests/test_exactly_once_train.py on its 600 samples.
 """
 
 from __future__ import annotations
@@ -19,31 +20,58 @@ from test_exactly_once_train import _assert_exactly_once, _ledger
 from pipelines.stream.ledger import sample_counts
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# recover first: its losses are the elastic run's reference.
+SCENARIOS = ["recover", "elastic", "preempt", "fail", "min_workers"]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
-def _run(tmp_path: Path, scenario: str) -> dict:
+@pytest.fixture(scope="module")
+def cluster_runs(tmp_path_factory) -> tuple[Path, dict[str, dict], str]:
+    """Every scenario, one after another on one loopback cluster (its start is paid once): the tmp dir, each
+    scenario's ``NODE_LOSS`` result, and the child's output."""
+    tmp = tmp_path_factory.mktemp("nodeloss")
     env = {**os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "node_loss_cluster.py"), str(tmp_path), scenario],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "node_loss_cluster.py"), str(tmp), ",".join(SCENARIOS)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1700)
     out = proc.stdout + proc.stderr
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("NODE_LOSS ")]
-    assert proc.returncode == 0 and lines, out[-4000:]
-    res = json.loads(lines[-1].removeprefix("NODE_LOSS "))
-    assert res["chaos_error"] is None, res["chaos_error"]
-    return res
+    assert proc.returncode == 0, out[-4000:]
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("NODE_LOSS "):
+            res = json.loads(line.removeprefix("NODE_LOSS "))
+            results[res["scenario"]] = res
+    return tmp, results, out
 
 
-def _metrics(tmp_path: Path, name: str) -> list[dict]:
-    return [json.loads(x) for x in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+@pytest.fixture
+def run(cluster_runs):
+    """``run(scenario)``: that scenario's result, its chaos plan carried out."""
+    tmp, results, out = cluster_runs
+
+    def get(scenario: str) -> dict:
+        assert scenario in results, out[-4000:]
+        res = results[scenario]
+        assert res["chaos_error"] is None, res["chaos_error"]
+        return res
+
+    return get
 
 
-def _checkpoint_steps(tmp_path: Path, name: str) -> list[int]:
-    return sorted(int(p.name.split("_")[1]) for p in (tmp_path / "runs" / name).glob("checkpoint_*") if p.is_dir())
+@pytest.fixture
+def tmp(cluster_runs) -> Path:
+    return cluster_runs[0]
 
 
-def test_losing_a_training_node_then_the_tokenizer_node_completes_exactly_once(tmp_path):
-    res = _run(tmp_path, "recover")
+def _metrics(tmp: Path, name: str) -> list[dict]:
+    return [json.loads(x) for x in (tmp / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def _checkpoint_steps(tmp: Path, name: str) -> list[int]:
+    return sorted(int(p.name.split("_")[1]) for p in (tmp / "runs" / name).glob("checkpoint_*") if p.is_dir())
+
+
+def test_losing_a_training_node_then_the_tokenizer_node_completes_exactly_once(run, tmp):
+    res = run("recover")
     assert res["ok"], res
     placed, first, seen, second = (e for e in res["events"] if "added" not in e)
     assert [e["added"] for e in res["events"] if "added" in e] == [first["killed"] + "'", "cpu'"]
@@ -52,21 +80,21 @@ def test_losing_a_training_node_then_the_tokenizer_node_completes_exactly_once(t
     assert first["killed"] in placed["feeder_node"] and first["killed"].startswith("train"), (placed, first)
     assert seen["tokenizer_nodes"] == ["cpu"], seen  # the restored stream's tokenizer, on the CPU node
     assert second["killed"] == "cpu"
-    entries = _ledger(tmp_path, res["name"])
+    entries = _ledger(tmp, res["name"])
     assert 4 <= first["ledger_steps"] < len(entries), (res["events"], len(entries))  # mid-epoch
     _assert_exactly_once(entries)
-    metrics = _metrics(tmp_path, res["name"])
+    metrics = _metrics(tmp, res["name"])
     resumes = [r["step"] for r in metrics if r["kind"] == "resume"]
     assert resumes and 2 <= resumes[0] <= first["ledger_steps"], resumes  # restored from a checkpoint
     assert [r for r in metrics if r["kind"] == "summary"][-1]["step"] == len(entries)
 
 
-def test_node_loss_without_max_failures_fails_clearly_and_records_only_trained_steps(tmp_path):
-    res = _run(tmp_path, "fail")
+def test_node_loss_without_max_failures_fails_clearly_and_records_only_trained_steps(run, tmp):
+    res = run("fail")
     assert not res["ok"], res
     assert "died" in res["error"].lower() or "node" in res["error"].lower(), res["error"]
-    entries = _ledger(tmp_path, res["name"])
-    ckpts = _checkpoint_steps(tmp_path, res["name"])
+    entries = _ledger(tmp, res["name"])
+    ckpts = _checkpoint_steps(tmp, res["name"])
     # The ledger holds the steps of the last saved checkpoint, or (written ahead) of the one being saved
     # when the node died (checkpoint_every_steps 2); steps trained after that are not in it.
     steps = [e.step for e in entries]
@@ -74,23 +102,23 @@ def test_node_loss_without_max_failures_fails_clearly_and_records_only_trained_s
     assert set(sample_counts(entries).values()) == {1}
 
 
-def _step_losses(tmp_path: Path, name: str) -> dict[int, list[float]]:
+def _step_losses(tmp: Path, name: str) -> dict[int, list[float]]:
     out: dict[int, list[float]] = {}
-    for r in _metrics(tmp_path, name):
+    for r in _metrics(tmp, name):
         if r["kind"] == "train":
             out.setdefault(r["step"], []).append(r["loss"])
     return out
 
 
-def test_an_elastic_run_shrinks_to_one_worker_and_grows_back_exactly_once_on_the_same_loss_curve(tmp_path):
-    res = _run(tmp_path, "elastic")
+def test_an_elastic_run_shrinks_to_one_worker_and_grows_back_exactly_once_on_the_same_loss_curve(run, tmp):
+    res = run("elastic")
     assert res["ok"], res
     events = {k: e for e in res["events"] for k in e}
     assert events["train_worker_nodes"]["train_worker_nodes"] == ["train-a", "train-b"], res["events"]
     assert "shrunk_to" in events and "grown_to" in events, res["events"]
-    entries = _ledger(tmp_path, res["name"])
+    entries = _ledger(tmp, res["name"])
     _assert_exactly_once(entries)
-    metrics = _metrics(tmp_path, res["name"])
+    metrics = _metrics(tmp, res["name"])
     resumes = [(r["saved_world_size"], r["world_size"]) for r in metrics if r["kind"] == "resume"]
     assert (2, 1) in resumes and (1, 2) in resumes, resumes
     summary = [r for r in metrics if r["kind"] == "summary"][-1]
@@ -98,36 +126,37 @@ def test_an_elastic_run_shrinks_to_one_worker_and_grows_back_exactly_once_on_the
     sizes = [(r["from_workers"], r["to_workers"]) for r in summary["recoveries"]]
     assert sizes == [(2, 1), (1, 2)], summary["recoveries"]
     assert all(r["resized"] and r["time_lost_s"] > 0 and r["steps_redone"] >= 0 for r in summary["recoveries"])
-    # The same global batch at 1 and 2 workers: every step's loss (redone steps too) follows the
-    # uninterrupted 2-worker run's, to reduction order.
-    elastic, reference = _step_losses(tmp_path, res["name"]), _step_losses(tmp_path, "nodeloss_elastic_ref")
+    # The same global batch at 1 and 2 workers: every step's loss (redone steps too) follows the fixed
+    # 2-worker run's (recover: the same settings; restored at its own world size, it trains each step as an
+    # uninterrupted run does, which tests/test_exactly_once_train.py checks), to reduction order.
+    elastic, reference = _step_losses(tmp, res["name"]), _step_losses(tmp, "nodeloss_recover")
     assert sorted(elastic) == sorted(reference) == list(range(1, len(entries) + 1))
     for step, losses in elastic.items():
         assert losses == pytest.approx([reference[step][0]] * len(losses), rel=1e-4), step
 
 
-def test_an_elastic_run_below_its_min_workers_fails_after_the_timeout_recording_only_trained_steps(tmp_path):
-    res = _run(tmp_path, "min_workers")
+def test_an_elastic_run_below_its_min_workers_fails_after_the_timeout_recording_only_trained_steps(run, tmp):
+    res = run("min_workers")
     assert not res["ok"], res
     assert "scaling.min_workers_timeout_s" in res["error"] and "min of 2 workers" in res["error"], res["error"]
-    entries = _ledger(tmp_path, res["name"])
-    ckpts = _checkpoint_steps(tmp_path, res["name"])
+    entries = _ledger(tmp, res["name"])
+    ckpts = _checkpoint_steps(tmp, res["name"])
     steps = [e.step for e in entries]
     assert entries and steps in (list(range(1, ckpts[-1] + 1)), list(range(1, ckpts[-1] + 3))), (ckpts, steps)
     assert set(sample_counts(entries).values()) == {1}
 
 
-def test_a_preemption_notice_writes_a_checkpoint_that_the_restarted_run_resumes_from(tmp_path):
-    res = _run(tmp_path, "preempt")
+def test_a_preemption_notice_writes_a_checkpoint_that_the_restarted_run_resumes_from(run, tmp):
+    res = run("preempt")
     assert res["ok"], res
     events = {k: e for e in res["events"] for k in e}
     noticed = events["noticed"]["noticed"]
     assert noticed >= events["drained"]["at_step"] >= 3, res["events"]
-    assert noticed in _checkpoint_steps(tmp_path, res["name"])  # kept: only the final checkpoint came after it
-    metrics = _metrics(tmp_path, res["name"])
+    assert noticed in _checkpoint_steps(tmp, res["name"])  # kept: only the final checkpoint came after it
+    metrics = _metrics(tmp, res["name"])
     notices = [r for r in metrics if r["kind"] == "checkpoint"]
     assert [r["step"] for r in notices] == [noticed] and "preemption notice" in notices[0]["reason"], notices
     resumes = [(r["step"], r["saved_world_size"], r["world_size"]) for r in metrics if r["kind"] == "resume"]
     assert resumes == [(noticed, 2, 1)], resumes  # no periodic checkpoints: only the notice's could be resumed
-    entries = _ledger(tmp_path, res["name"])
+    entries = _ledger(tmp, res["name"])
     _assert_exactly_once(entries)
