@@ -268,6 +268,10 @@ def _topology(cluster: Cluster, nodes: dict[str, object]) -> dict[str, object]:
     return {"cpu": cpus[0], "train-a": trains[0], "train-b": trains[1]}
 
 
+# A start timeout given to this script wins over the scenarios' own.
+_START_TIMEOUT = os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S")
+
+
 def run_scenario(cluster: Cluster, nodes: dict[str, object], tmp: Path, scenario: str) -> dict:
     """One scenario's fit on the cluster, with its chaos beside it; what happened (the ``NODE_LOSS`` line)."""
     name = f"nodeloss_{scenario}"
@@ -299,17 +303,12 @@ def run_scenario(cluster: Cluster, nodes: dict[str, object], tmp: Path, scenario
             "done": not thread.is_alive()}
 
 
-# A start timeout given to this script wins over the scenarios' own.
-_START_TIMEOUT = os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S")
-
-
 def main(tmp: Path, scenarios: list[str]) -> None:
     """Run ``scenarios`` one after another on one cluster (its start is paid once); one ``NODE_LOSS`` line each."""
     keep_on_loopback()
     cluster = Cluster(initialize_head=True, head_node_args={
         "node_ip_address": LOOPBACK, "num_cpus": 1, "include_dashboard": False, "_system_config": HEALTH})
-    nodes: dict[str, object] = {}
-    nodes = _topology(cluster, nodes)
+    nodes = _topology(cluster, {})
     ray.init(address=cluster.address, log_to_driver=False)
     for scenario in scenarios:
         nodes = _topology(cluster, nodes)
