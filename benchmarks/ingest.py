@@ -10,8 +10,8 @@ Side by side, in one process tree, on the same cores, the same data and the same
    at 1 and 2 threads; ``encode_batch`` (with offsets) at 2 threads beside it
    (``RAYON_NUM_THREADS``, set in a child process so it takes effect);
 2. HF ``datasets``: ``load_dataset("json", data_files=..., streaming=True).map(batched=True)``, both with the
-   transformers call ``tok(texts)`` and with the backend's ``encode_batch_fast`` (ids only) under
-   ``USE_TORCH=0``; the faster of the two in steady state is "HF streaming" in the ratios;
+   transformers call ``tok(texts)`` and with ``tokenizers``' own ``encode_batch_fast`` (ids only; no
+   transformers, so no torch); the faster of the two in steady state is "HF streaming" in the ratios;
 3. ours: ``build_dataset`` on a fresh local Ray instance, iterated to the end (``ds.iter_batches``),
    with the default tokenizer pool and a few other pool settings; plus ``iter_packed_local`` (the
    same stages in one process, no Ray) for reference.
@@ -112,16 +112,16 @@ def run_ingest(work: Path, n_records: int, repeats: int, cpus: int, sweep: list[
     say("  raw encode_batch (offsets), 2 threads ...", flush=True)
     res["raw offsets 2t"] = bl.run_system("raw", {**raw_params(data_dir, passes=raw_passes or max(3, repeats)), "call": "encode_batch"},
                                           env={"RAYON_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "true"}, **kw)
-    # HF streaming as its users run it, both ways: the transformers call (offsets computed and dropped) and the
-    # backend's encode_batch_fast without torch; "hf_stream" is the faster of the two in steady state. They and
-    # ours (default config) run in interleaved rounds.
+    # HF streaming as its users run it, both ways: the transformers call (offsets computed and dropped) and
+    # tokenizers' own encode_batch_fast without transformers (no torch); "hf_stream" is the faster of the two in
+    # steady state. They and ours (default config) run in interleaved rounds.
     say(f"  {repeats} interleaved round(s): HF datasets streaming + map (tok), (fast), ours build_dataset (default) ...",
         flush=True)
     hf = {"tokenizer": str(bl.GPT2), "data": str(data_dir)}
     default = {**ours_params(data_dir, cpus, POOL_SETTINGS["default"]), "row_lengths": True}  # for the histogram
     rounds = bl.interleave_systems({
         "hf_stream_tok": ("hf_stream", {**hf, "call": "tok"}, {"RAYON_NUM_THREADS": str(cpus)}),
-        "hf_stream_fast": ("hf_stream", {**hf, "call": "fast"}, {"RAYON_NUM_THREADS": str(cpus), "USE_TORCH": "0"}),
+        "hf_stream_fast": ("hf_stream", {**hf, "call": "fast"}, {"RAYON_NUM_THREADS": str(cpus)}),
         "ours": ("ours", default, None)}, repeats, **kw)
     res["hf_stream_tok"], res["hf_stream_fast"] = rounds["hf_stream_tok"], rounds["hf_stream_fast"]
     res["hf_stream"] = best_hf(res)
@@ -207,8 +207,8 @@ def ingest_rows(res: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     hf_best = (hf or {}).get("variant")
     add("HF datasets streaming + map, tok(texts)" + (" (best HF)" if hf_best == "hf_stream_tok" else ""),
         res.get("hf_stream_tok", hf if hf_best is None else None))
-    add("HF datasets streaming + map, encode_batch_fast, USE_TORCH=0" + (" (best HF)" if hf_best == "hf_stream_fast"
-                                                                          else ""), res.get("hf_stream_fast"))
+    add("HF datasets streaming + map, tokenizers encode_batch_fast" + (" (best HF)" if hf_best == "hf_stream_fast"
+                                                                        else ""), res.get("hf_stream_fast"))
     best = res.get("ours_best")
     for name, r in res.get("ours_sweep", {}).items():
         add(f"ours build_dataset, pool {name}" + (" (best)" if name == best else ""), r)

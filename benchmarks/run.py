@@ -145,7 +145,7 @@ def b2_systems(ctx: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         rows.append((f"ours: build_dataset, best setting ({best})", ing["ours_sweep"][best]))
     if "ours_local" in ing:
         rows.append(("ours: iter_packed_local (1 process, no Ray)", ing["ours_local"]))
-    for variant, how in (("hf_stream_tok", "tok(texts)"), ("hf_stream_fast", "encode_batch_fast, USE_TORCH=0")):
+    for variant, how in (("hf_stream_tok", "tok(texts)"), ("hf_stream_fast", "tokenizers encode_batch_fast")):
         if variant in ing:
             best = " (best HF)" if (ing.get("hf_stream") or {}).get("variant") == variant else ""
             rows.append((f"{PEERS['hf_stream']}, {how}{best}", ing[variant]))
@@ -250,8 +250,7 @@ def run_b3(ctx: dict[str, Any]) -> dict[str, Any]:
                                           env={"RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}, **kw),
                 "hf_stream": bl.repeat_system("hf_stream", {"tokenizer": str(bl.GPT2), "data": str(data_dir),
                                                             "call": "fast" if fast_hf else "tok"}, reps,
-                                              env={"RAYON_NUM_THREADS": str(cpus), **({"USE_TORCH": "0"} if fast_hf
-                                                                                     else {})}, **kw),
+                                              env={"RAYON_NUM_THREADS": str(cpus)}, **kw),
             }
         out["points"][str(n)] = {"mb": mb, **{k: v or {"error": NA} for k, v in point.items()}}
     out["marginal"] = marginal_rates(out)

@@ -99,6 +99,12 @@ def load_hf_tokenizer(path: str) -> Any:
     return tok
 
 
+def _eos_text(path: str) -> str:
+    """The EOS token's text from ``tokenizer_config.json`` (a string, or ``{"content": ...}``)."""
+    eos = json.loads((Path(path) / "tokenizer_config.json").read_text())["eos_token"]
+    return eos["content"] if isinstance(eos, dict) else eos
+
+
 # --------------------------------------------------------------------------- B1: raw tokenizer
 
 
@@ -159,18 +165,25 @@ def sys_hf_stream(p: dict[str, Any]) -> dict[str, Any]:
     """``load_dataset(..., streaming=True).map(batched=True)``, tokenizing with ``p["call"]``:
 
     * ``tok`` (default): the transformers call, ``tok(texts)["input_ids"]``, as the datasets docs show it;
-    * ``fast``: the backend's ``encode_batch_fast`` (ids only, no offsets), the call ours makes, run with
-      ``USE_TORCH=0`` by the caller so that transformers does not import torch.
+    * ``fast``: ``tokenizers.Tokenizer.from_file(tokenizer.json)`` and its ``encode_batch_fast`` (ids only, no
+      offsets), the call ours makes, without transformers: transformers 5's ``AutoTokenizer`` imports torch
+      (through ``configuration_utils``, ``USE_TORCH=0`` notwithstanding), and this path needs neither.
     """
     from datasets import load_dataset
     from datasets.utils.logging import disable_progress_bar
 
     disable_progress_bar()
-    tok = load_hf_tokenizer(p["tokenizer"])
-    eos = tok.eos_token
-    files = sorted(str(x) for x in Path(p["data"]).glob("*.jsonl"))
     fast = p.get("call", "tok") == "fast"
-    backend = tok.backend_tokenizer
+    if fast:
+        from tokenizers import Tokenizer
+
+        backend = Tokenizer.from_file(str(Path(p["tokenizer"]) / "tokenizer.json"))
+        backend.no_truncation()
+        eos = _eos_text(p["tokenizer"])
+    else:
+        tok = load_hf_tokenizer(p["tokenizer"])
+        eos = tok.eos_token
+    files = sorted(str(x) for x in Path(p["data"]).glob("*.jsonl"))
     clock = Clock()
 
     def tokenize(batch: dict[str, list]) -> dict[str, list]:
