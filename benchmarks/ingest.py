@@ -11,7 +11,8 @@ Side by side, in one process tree, on the same cores, the same data and the same
    (``RAYON_NUM_THREADS``, set in a child process so it takes effect);
 2. HF ``datasets``: ``load_dataset("json", data_files=..., streaming=True).map(batched=True)``, both with the
    transformers call ``tok(texts)`` and with ``tokenizers``' own ``encode_batch_fast`` (ids only; no
-   transformers, so no torch); the faster of the two in steady state is "HF streaming" in the ratios;
+   transformers, and ``USE_TORCH=0`` for datasets: no torch); the faster of the two in steady state is "HF
+   streaming" in the ratios;
 3. ours: ``build_dataset`` on a fresh local Ray instance, iterated to the end (``ds.iter_batches``),
    with the default tokenizer pool and a few other pool settings; plus ``iter_packed_local`` (the
    same stages in one process, no Ray) for reference.
@@ -121,7 +122,8 @@ def run_ingest(work: Path, n_records: int, repeats: int, cpus: int, sweep: list[
     default = {**ours_params(data_dir, cpus, POOL_SETTINGS["default"]), "row_lengths": True}  # for the histogram
     rounds = bl.interleave_systems({
         "hf_stream_tok": ("hf_stream", {**hf, "call": "tok"}, {"RAYON_NUM_THREADS": str(cpus)}),
-        "hf_stream_fast": ("hf_stream", {**hf, "call": "fast"}, {"RAYON_NUM_THREADS": str(cpus)}),
+        # USE_TORCH=0: datasets' load_dataset imports torch when it is installed, unless told not to.
+        "hf_stream_fast": ("hf_stream", {**hf, "call": "fast"}, {"RAYON_NUM_THREADS": str(cpus), "USE_TORCH": "0"}),
         "ours": ("ours", default, None)}, repeats, **kw)
     res["hf_stream_tok"], res["hf_stream_fast"] = rounds["hf_stream_tok"], rounds["hf_stream_fast"]
     res["hf_stream"] = best_hf(res)

@@ -250,7 +250,8 @@ def run_b3(ctx: dict[str, Any]) -> dict[str, Any]:
                                           env={"RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}, **kw),
                 "hf_stream": bl.repeat_system("hf_stream", {"tokenizer": str(bl.GPT2), "data": str(data_dir),
                                                             "call": "fast" if fast_hf else "tok"}, reps,
-                                              env={"RAYON_NUM_THREADS": str(cpus)}, **kw),
+                                              env={"RAYON_NUM_THREADS": str(cpus), **({"USE_TORCH": "0"} if fast_hf
+                                                                                     else {})}, **kw),
             }
         out["points"][str(n)] = {"mb": mb, **{k: v or {"error": NA} for k, v in point.items()}}
     out["marginal"] = marginal_rates(out)

@@ -167,7 +167,8 @@ def sys_hf_stream(p: dict[str, Any]) -> dict[str, Any]:
     * ``tok`` (default): the transformers call, ``tok(texts)["input_ids"]``, as the datasets docs show it;
     * ``fast``: ``tokenizers.Tokenizer.from_file(tokenizer.json)`` and its ``encode_batch_fast`` (ids only, no
       offsets), the call ours makes, without transformers: transformers 5's ``AutoTokenizer`` imports torch
-      (through ``configuration_utils``, ``USE_TORCH=0`` notwithstanding), and this path needs neither.
+      (through ``configuration_utils``, ``USE_TORCH=0`` notwithstanding), and this path needs neither. The caller
+      sets ``USE_TORCH=0`` for datasets, whose ``load_dataset`` imports torch otherwise.
     """
     from datasets import load_dataset
     from datasets.utils.logging import disable_progress_bar
