@@ -16,8 +16,12 @@ process (``--child NAME``) so imports, ``ray.init`` and memory never leak betwee
   formatted with the same alpaca template and tokenized in ``__getitem__`` (no label masks: less
   work than ours), concatenated into 2048-token rows in the main process. Local shards are read in
   place (``local=`` only); the tokenizer and the dataset object are made before the clock starts.
-* ``*_tok_*``: the same, on pre-tokenized MDS in llm-foundry's concatenated-tokens layout (one
-  ``tokens: ndarray:int32`` column of 2048-token samples, made here before any clock): nobody tokenizes.
+* ``*_tok_*``: pre-tokenized MDS in llm-foundry's concatenated-tokens layout (one ``tokens: ndarray:int32``
+  column of 2048-token samples, made here before any clock): nobody tokenizes. Ours is training's path: the
+  feeder, which reads such a source in its own process, serving one rank 64-row steps that the rank fetches
+  (``ours_feeder``). Mosaic's is llm-foundry's: a ``StreamingDataset`` subclass returning the ``tokens``
+  array, iterated through the base class's ``__iter__`` (shard predownload, its defaults) by
+  ``DataLoader(num_workers=2)``, 64 samples a batch.
 * ``convert``: ``ray_jobs/convert.py --tokenize`` (2 write tasks) JSONL -> tokenized MDS, vs two peers
   that read the same JSONL, format each record with the same template, tokenize in batches of 1,000
   (``encode_batch_fast``: ids only) and write ``input_ids`` with ``MDSWriter`` (no label masks: less
@@ -234,10 +238,48 @@ def run_ours(p: dict[str, Any]) -> dict[str, Any]:
             "first_tokens": first_tokens}
 
 
+def run_ours_feeder(p: dict[str, Any]) -> dict[str, Any]:
+    """Pre-tokenized MDS as training reads it: the feeder (which reads such a source in its own process) serves
+    one rank 64-row steps, and the rank fetches each step's rows (numpy views of the object store)."""
+    sys.path.insert(0, str(ROOT))
+    from pipelines.config import config_from_dict
+    from pipelines.ray_local import init_local
+    from pipelines.stream.client import FeederClient
+    from pipelines.stream.feeder import start_feeder
+
+    t0 = time.perf_counter()
+    init_local(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init = time.perf_counter() - t0
+    cfg = config_from_dict({
+        "model": {"tokenizer": str(GPT2)},
+        "data": {"datasets": [{"path": p["path"], "format": "mds", "type": "completion"}],
+                 "sequence_len": SEQ_LEN, "packing": "concat"},
+        "storage": {"endpoint_url": p.get("endpoint"), "retries": 5},
+    })
+    import ray
+
+    t = time.perf_counter()
+    client = FeederClient(start_feeder(cfg, 1, 64, None, None, epochs=1), 0)
+    rows = tokens = first_tokens = 0
+    first = None
+    while (item := client.next()) is not None:
+        if item.kind != "step":
+            continue
+        ids = item.columns(("input_ids",))["input_ids"]
+        rows += len(ids)
+        tokens += sum(len(r) for r in ids)
+        if first is None:
+            first, first_tokens = time.perf_counter() - t, tokens
+    total = time.perf_counter() - t
+    ray.shutdown()
+    return {"init_s": init, "ttfb_s": first, "total_s": total, "rows": rows, "tokens": tokens,
+            "first_tokens": first_tokens}
+
+
 class _TokenizingDataset:
     """mosaic's StreamingDataset, formatting and tokenizing each sample in ``__getitem__``."""
 
-    def __init__(self, tokens: bool = False, **kwargs: Any) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         from streaming import StreamingDataset
         from transformers import AutoTokenizer
 
@@ -245,7 +287,6 @@ class _TokenizingDataset:
         from pipelines.sources.formats import make_formatter
 
         self.inner = StreamingDataset(**kwargs)
-        self.tokens = tokens
         self.tok = AutoTokenizer.from_pretrained(str(GPT2))
         ds = DatasetConfig(path="x", type="alpaca")
         self.fmt = make_formatter(ds, DataConfig(datasets=[ds]), self.tok)
@@ -255,10 +296,20 @@ class _TokenizingDataset:
 
     def __getitem__(self, idx: int) -> Any:
         sample = self.inner[idx]
-        if self.tokens:  # llm-foundry's concat-tokens layout: already ids
-            return sample["tokens"]
         f = self.fmt({k: v for k, v in sample.items() if v is not None})
         return self.tok(f.text, add_special_tokens=True)["input_ids"] + [self.tok.eos_token_id]
+
+
+def _ids_dataset(**kwargs: Any) -> Any:
+    """llm-foundry's pre-tokenized case: a ``StreamingDataset`` subclass whose samples are the ``tokens``
+    arrays, iterated with the base class's ``__iter__`` (its shard predownload and worker partitioning)."""
+    from streaming import StreamingDataset
+
+    class Ids(StreamingDataset):
+        def __getitem__(self, idx: int) -> Any:
+            return super().__getitem__(idx)["tokens"]
+
+    return Ids(**kwargs)
 
 
 def run_mosaic(p: dict[str, Any]) -> dict[str, Any]:
@@ -272,7 +323,10 @@ def run_mosaic(p: dict[str, Any]) -> dict[str, Any]:
     if p.get("remote"):
         os.environ["S3_ENDPOINT_URL"] = p["endpoint"]
         kwargs["remote"] = p["remote"]
-    ds = _TokenizingDataset(tokens=bool(p.get("tokens")), **kwargs)  # tokenizer loaded before the clock
+    if p.get("tokens"):  # already ids: a StreamingDataset subclass, as llm-foundry's (predownload, its defaults)
+        ds: Any = _ids_dataset(**kwargs)
+    else:
+        ds = _TokenizingDataset(**kwargs)  # tokenizer loaded before the clock
     t = time.perf_counter()
     loader = DataLoader(ds, batch_size=64, num_workers=2, collate_fn=list, persistent_workers=False)
     rows = tokens = first_tokens = 0
@@ -391,7 +445,7 @@ def steady_rate(r: dict[str, Any]) -> float:
     return (r["tokens"] - r["first_tokens"]) / max(r["total_s"] - r["ttfb_s"], 1e-9)
 
 
-SYSTEMS = {"ours": run_ours, "mosaic": run_mosaic, "convert": run_convert, "tokenize_loop": run_tokenize_loop,
+SYSTEMS = {"ours": run_ours, "ours_feeder": run_ours_feeder, "mosaic": run_mosaic, "convert": run_convert, "tokenize_loop": run_tokenize_loop,
            "mosaic_procs": run_mosaic_procs}
 
 
@@ -478,9 +532,9 @@ def main(argv: list[str] | None = None) -> int:
         if "tok" in groups:
             remote_tok = upload(work / "mds_tokens", endpoint, f"{BUCKET}/mds_tokens")
             cases.update({
-                "ours_tok_local": ("ours", {"path": str(work / "mds_tokens"), "tokens": True}),
+                "ours_tok_local": ("ours_feeder", {"path": str(work / "mds_tokens")}),
                 "mosaic_tok_local": ("mosaic", {"local": str(work / "mds_tokens"), "tokens": True}),
-                "ours_tok_s3": ("ours", {"path": remote_tok, "endpoint": endpoint, "tokens": True}),
+                "ours_tok_s3": ("ours_feeder", {"path": remote_tok, "endpoint": endpoint}),
                 "mosaic_tok_s3": ("mosaic", {"local": str(work / "cache-tok-s3"), "remote": remote_tok,
                                              "endpoint": endpoint, "tokens": True})})
         if "convert" in groups:
@@ -498,10 +552,10 @@ def main(argv: list[str] | None = None) -> int:
             moto.wait(10)
     labels = {"ours_local": "build_dataset, local MDS", "mosaic_local": "mosaic StreamingDataset+DataLoader(2), local",
               "ours_s3": "build_dataset, MDS on S3 (moto)", "mosaic_s3": "mosaic StreamingDataset+DataLoader(2), S3 (moto)",
-              "ours_tok_local": "build_dataset, pre-tokenized MDS, local",
-              "mosaic_tok_local": "mosaic StreamingDataset+DataLoader(2), pre-tokenized, local",
-              "ours_tok_s3": "build_dataset, pre-tokenized MDS on S3 (moto)",
-              "mosaic_tok_s3": "mosaic StreamingDataset+DataLoader(2), pre-tokenized, S3 (moto)",
+              "ours_tok_local": "the feeder (training's path), pre-tokenized MDS, local",
+              "mosaic_tok_local": "mosaic StreamingDataset subclass+DataLoader(2), pre-tokenized, local",
+              "ours_tok_s3": "the feeder (training's path), pre-tokenized MDS on S3 (moto)",
+              "mosaic_tok_s3": "mosaic StreamingDataset subclass+DataLoader(2), pre-tokenized, S3 (moto)",
               "convert": "ray_jobs/convert.py --tokenize JSONL -> MDS (2 tasks)",
               "mosaic_procs": "mosaic parallel conversion: Pool(2) x MDSWriter + merge_index",
               "tokenize_loop": "one process: tokenize (2 threads) + MDSWriter loop"}

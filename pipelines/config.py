@@ -306,7 +306,8 @@ class DataConfig(_Strict):
         "on a 2-CPU machine: each read task beside another takes a worker process on the tokenizer's cores), one per CPU of the cluster when every "
         "source is pre-tokenized MDS. Where the read tasks tokenize (data.tokenize.placement) or check ids, auto "
         "also makes no more read tasks than run at once (one round), and for pre-tokenized MDS no more than one per "
-        "128 MB of uncompressed shards; null: as many as the CPUs allow (Ray's default)."
+        "128 MB of uncompressed shards; null: as many as the CPUs allow (Ray's default). Training reads a "
+        "pre-tokenized source in its feeder, with no read tasks; these apply to build_dataset and eval streams."
     )
     mix_by: Literal["tokens", "samples", "none"] = Field(
         "tokens", description="Several datasets: keep each one's share of tokens (or samples) at its weight; "

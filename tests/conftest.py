@@ -240,6 +240,7 @@ BACKGROUND_JOBS = {"mosaic_python": ("mosaic", _make_mosaic_python), "sft_job": 
 _started: dict[str, Future] = {}
 
 
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: a job no selected test reads is not started
 def pytest_collection_modifyitems(session, config, items) -> None:
     wanted = [name for name in BACKGROUND_JOBS if any(name in getattr(it, "fixturenames", ()) for it in items)]
     if not wanted or config.option.collectonly:

@@ -6,12 +6,19 @@ feeder from real Ray Train workers.
 
 from __future__ import annotations
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
 import ray
 from conftest import make_config, write_jsonl
+from mds_sets import mds_write
 
+from pipelines.sources.listing import split_sample_id
 from pipelines.stream.client import FeederClient
+from pipelines.stream.dataset import source_dataset
 from pipelines.stream.feeder import start_feeder
 from pipelines.stream.ledger import Ledger, sample_counts
+from pipelines.stream.spec import build_spec
 
 N_FILES, PER_FILE = 4, 120
 
@@ -239,3 +246,60 @@ def test_a_step_takes_the_same_rows_at_every_world_size_even_when_they_do_not_di
         assert [[row for rank in step for row in rank] for step in steps] == [step[0] for step in by_world[1]]
         full = [[len(rank) for rank in step] for step in steps[:-1]]  # the epoch's last step may be short
         assert all(sizes == {1: [5], 2: [3, 2], 3: [2, 2, 1]}[w] for sizes in full), (w, full)
+
+
+def _rows_with_ids(feeder, world: int, max_steps: int | None = None) -> tuple[list[tuple[list[int], list[int]]], int]:
+    """Every row the ranks take, in global order, as (sample ids, input ids), and the last item's index."""
+    clients = [FeederClient(feeder, r) for r in range(world)]
+    rows, last, steps = [], -1, 0
+    while max_steps is None or steps < max_steps:
+        items = [c.next() for c in clients]
+        if items[0] is None:
+            break
+        last, steps = items[0].index, steps + (items[0].kind == "step")
+        for it in items:
+            cols = it.columns(("sample_ids", "input_ids"))
+            rows += [(s.tolist(), i.tolist()) for s, i in zip(cols["sample_ids"], cols["input_ids"], strict=True)]
+    return rows, last
+
+
+def test_a_pretokenized_source_is_read_in_the_feeder_as_its_dataset_reads_it_and_resumes_exactly_once(
+        tmp_path, ray_local):
+    """A source of MDS token ids needs no tokenizer: the feeder reads, checks and packs it in its own
+    process (no read task to wait for) and serves the rows its Ray Data stream holds, in that order, mixed
+    with a text source; a resume mid-epoch at another world size goes on at the next row, and the
+    data-quality counters count the id samples."""
+    rng = np.random.default_rng(0)
+    samples = [{"tokens": rng.integers(1, 50_000, size=int(n), dtype=np.int32)} for n in rng.integers(10, 128, 160)]
+    ids_root = mds_write(tmp_path / "ids", samples, {"tokens": "ndarray:int32"}, "zstd", size_limit=1 << 12)
+    text = tmp_path / "text.jsonl"
+    write_jsonl(text, [{"text": f"t{i} " + "w " * (3 + (i * 7) % 40)} for i in range(300)])
+    cfg = make_config([{"path": str(ids_root), "type": "completion", "name": "ids"},
+                       {"path": str(text), "type": "completion", "name": "text"}],
+                      sequence_len=128, pack_buffer_size=20, shuffle_seed=5, deterministic=True)
+    spec = build_spec(cfg)
+    id_files = {i for i, f in enumerate(spec.table.files) if f.dataset_index == 0}
+    assert len(id_files) > 4  # several shards: the read crosses files
+
+    whole = start_feeder(cfg, 2, 6, None, None)
+    full, _ = _rows_with_ids(whole, 2)
+    assert ray.get(whole.report.remote())["counters"]["samples_pretokenized"] == len(samples)
+    of_ids = [r for r in full if split_sample_id(r[0][0])[0] in id_files]
+    stream = pa.concat_tables(source_dataset(spec, 0).iter_batches(batch_size=None, batch_format="pyarrow"))
+    want = list(zip(stream.column("sample_ids").to_pylist(), stream.column("input_ids").to_pylist(), strict=True))
+    assert of_ids == want and len(want) > 20
+    assert sorted(s for r in of_ids for s in r[0]) == sorted(  # every id sample once, its ids as written
+        s for r in want for s in r[0]) and sum(len(r[1]) for r in of_ids) == sum(len(x["tokens"]) for x in samples)
+    assert len(of_ids) < len(full)  # mixed with the text source's rows
+
+    root = str(tmp_path / "ledger")
+    first = start_feeder(cfg, 2, 6, None, root)
+    head, last = _rows_with_ids(first, 2, max_steps=len(full) // 18)
+    state = ray.get(first.commit.remote(last))
+    ray.kill(first)
+    second = start_feeder(cfg, 1, 6, state, root)
+    tail, last = _rows_with_ids(second, 1)
+    assert 0 < len(head) < len(full) and head + tail == full
+    ray.get(second.commit.remote(last))
+    counts = sample_counts(Ledger(pafs.LocalFileSystem(), root).entries(0))
+    assert len(counts) == len(samples) + 300 and set(counts.values()) == {1}

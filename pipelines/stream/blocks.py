@@ -13,7 +13,7 @@ a step mixing 3 rows of block A (source 0) and 1 row of block B::
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,7 +26,7 @@ from pipelines.arrays import list_array, list_flat
 from pipelines.stream.mixing import Chunk
 
 __all__ = ["ROW_COLUMNS", "BlockColumns", "RankItem", "RowSlice", "as_arrow", "as_list_columns", "block_nodes",
-           "chunks_of", "fetch_blocks"]
+           "chunks_of", "chunks_put", "fetch_blocks"]
 
 ROW_COLUMNS = ("input_ids", "labels", "position_ids", "sample_ids")
 
@@ -174,3 +174,11 @@ def chunks_of(ds: ray.data.Dataset) -> Iterator[Chunk]:
                 chunk = Chunk.from_table(as_arrow(ray.get(ref)), ref, start, stop, first)
             if len(chunk):
                 yield chunk
+
+
+def chunks_put(tables: Iterable[pa.Table]) -> Iterator[Chunk]:
+    """Packed-row tables made in this process, as chunks: each table is put in this node's object store
+    once, and the ranks fetch it as they fetch a Ray Data block."""
+    for table in tables:
+        if table.num_rows:
+            yield Chunk.from_table(table, ray.put(table))

@@ -323,15 +323,18 @@ def build_dataset(cfg: Config | StreamSpec, split: str = "train", *, epoch: int 
 
 
 def iter_packed_local(cfg: Config | StreamSpec, split: str = "train", sink: StatsSink | None = None, *,
-                      epoch: int = 0, start: ResumePoint | None = None) -> Iterator[pa.Table]:
-    """The same stages in this process, without Ray: packed-row tables in stream order (every file, unmixed).
+                      source: int | None = None, epoch: int = 0, start: ResumePoint | None = None
+                      ) -> Iterator[pa.Table]:
+    """The same stages in this process, without Ray: packed-row tables in stream order, the same rows as
+    :func:`source_dataset` gives for ``source`` (``None``: every file, unmixed).
 
-    For looking at a config's rows in a notebook or a debugger; training uses :func:`build_dataset`.
+    For looking at a config's rows in a notebook or a debugger. The feeder reads pre-tokenized sources this
+    way (:mod:`pipelines.stream.feeder`); the tokenizing stages train through :func:`source_dataset`.
     """
     spec = cfg if isinstance(cfg, StreamSpec) else build_spec(cfg, split, cpus=1.0)
     sink = sink or StatsSink()
     start = start or ResumePoint(epoch=epoch)
-    order = spec.files(epoch)
+    order = spec.files(epoch, source)
     files = [spec.table.files[i] for i in order[start.file_pos:]]
     opts = _read_options(spec, order)
     pack = _pack_options(spec.data, epoch)

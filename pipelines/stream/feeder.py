@@ -13,7 +13,13 @@ in order, mixes them (:mod:`pipelines.stream.mixing`) and cuts the result into *
 
 The feeder is a control plane: the packed rows stay in Ray's object store as the Arrow blocks the
 packing stage wrote, and ranks fetch their slices themselves (:mod:`pipelines.stream.blocks`,
-:mod:`pipelines.stream.client`). The global row order does not depend on the world size, so a run
+:mod:`pipelines.stream.client`). A pre-tokenized source (every file an MDS shard of token ids,
+:func:`~pipelines.stream.dataset.all_pretokenized`) is the exception: nothing is left to tokenize, so the
+feeder reads, checks and packs it in its own process (:func:`~pipelines.stream.dataset.iter_packed_local`,
+the same rows) and puts each packed block in its node's object store. No read task waits for a worker
+process before the first step. Checking and packing ids takes one pass over them, tens of millions of
+tokens per CPU second, far more than the GPUs of a cluster train on; the feeder's node then reads
+every pre-tokenized byte, which the tokenizing stages never send it. The global row order does not depend on the world size, so a run
 checkpointed with 2 workers resumes with 1 (or 1 with 2) at the same row. The feeder prefetches in a
 thread, up to 16 items ahead of the slowest rank.
 
@@ -41,10 +47,11 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipelines.config import Config
+from pipelines.stats import StatsSink
 from pipelines.storage import StorageOptions, filesystem_for
 from pipelines.stream.batch import rank_rows
-from pipelines.stream.blocks import ROW_COLUMNS, RankItem, RowSlice, as_list_columns, chunks_of
-from pipelines.stream.dataset import all_pretokenized, data_report, source_dataset
+from pipelines.stream.blocks import ROW_COLUMNS, RankItem, RowSlice, as_list_columns, chunks_of, chunks_put
+from pipelines.stream.dataset import all_pretokenized, iter_packed_local, source_dataset, stats_of
 from pipelines.stream.ledger import Ledger, LedgerEntry
 from pipelines.stream.mixing import Chunk, Mixer, Picked
 from pipelines.stream.placement import tokenizer_pools_short
@@ -132,7 +139,10 @@ class Feeder:
         self.world, self.step_rows, self.epochs = world_size, step_rows, epochs
         self.state = fresh_state(spec)
         self.ledger = Ledger(*filesystem_for(ledger_root, storage or StorageOptions())) if ledger_root else None
-        self.datasets: list[ray.data.Dataset] = []  # every stream opened (for report)
+        self.sinks: list[StatsSink] = []  # the counters of every stream opened (for report)
+        # sources read here, not by read tasks (the module docstring)
+        self.read_here = [given is None and all_pretokenized(spec.table, spec.source_files(i))
+                          for i in range(len(spec.sources))]
         self.max_items = prefetch_items
         self._items: dict[int, Item] = {}  # items some rank has not fetched yet
         self._served: set[int] = set()  # items every rank has fetched
@@ -204,11 +214,15 @@ class Feeder:
         """Chunks of source ``i`` from ``state.point``, and its files' read positions."""
         point = state.point
         if self.given is not None:
-            self.datasets.append(self.given)
             return _rows_from(chunks_of(_with_list_columns(self.given)), point.row), {0: 0}
+        positions = self.spec.file_positions(point.epoch, i)
+        if self.read_here[i]:
+            sink = StatsSink()  # the stages run in this process: counted here, no stats actor to start
+            self.sinks.append(sink)
+            return chunks_put(iter_packed_local(self.spec, sink=sink, source=i, epoch=point.epoch, start=point)), positions
         ds = source_dataset(self.spec, i, epoch=point.epoch, start=point)
-        self.datasets.append(ds)
-        return chunks_of(ds), self.spec.file_positions(point.epoch, i)
+        self.sinks.append(stats_of(ds))
+        return chunks_of(ds), positions
 
     def _mixer(self, epoch: int, states: list[SourceState]) -> Mixer:
         return Mixer([s.weight for s in self.spec.sources], self.spec.mix_by, self.spec.data.mix_exhausted,
@@ -322,10 +336,8 @@ class Feeder:
     def report(self) -> dict:
         """Data-quality counters summed over every stream this feeder opened (none for a given dataset)."""
         totals: dict[str, Any] = {"counters": {}, "examples": {}}
-        for ds in self.datasets:
-            if ds is self.given:
-                continue
-            snap = data_report(ds)
+        for sink in self.sinks:
+            snap = sink.snapshot()
             for k, v in snap["counters"].items():
                 totals["counters"][k] = totals["counters"].get(k, 0) + v
             for k, v in snap["examples"].items():
