@@ -579,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         steady = steady_rate(a) / steady_rate(b)
         summary[f"read_{where}_ratio"] = round(ratio, 3)
         summary[f"read_{where}_steady_ratio"] = round(steady, 3)
-        print(f"read {where:<9}: build_dataset / mosaic loader = {ratio:.2f}x tokens/s, {steady:.2f}x after each "
+        print(f"read {where:<9}: ours / mosaic loader = {ratio:.2f}x tokens/s, {steady:.2f}x after each "
               f"one's first batch ({'same' if same else 'DIFFERENT'} token count: {a['tokens']} vs {b['tokens']})")
     if "convert" in results:
         peers = {k: results[k] for k in ("mosaic_procs", "tokenize_loop")}

@@ -66,6 +66,23 @@ def test_same_seed_same_rows_per_rank_and_other_seed_differs(tmp_path, ray_local
     assert len(_ids(a)) == N_FILES * PER_FILE
 
 
+def test_resume_starts_reading_before_the_first_request_with_the_same_rows(tmp_path, ray_local):
+    """Training resumes the feeder before the engine builds (pipelines.train.feed.EarlyFeeder): from then
+    on the stream is read without waiting for a rank's first request, and serves the same rows."""
+    import time
+
+    cfg = _config(tmp_path)
+    feeder = start_feeder(cfg, 2, 6, None, None)
+    assert ray.get(feeder.telemetry.remote(0))["mix_share"] == {}  # not started: nothing read
+    ray.get(feeder.resume.remote(None, 0, 0, "fail", "step 0"))
+    deadline = time.time() + 60
+    while not (share := ray.get(feeder.telemetry.remote(0))["mix_share"]) and time.time() < deadline:
+        time.sleep(0.1)
+    assert list(share.values()) == [1.0]  # item 0 was produced, with no get
+    early, _ = drive(feeder, 2)
+    assert early == drive(start_feeder(cfg, 2, 6, None, None), 2)[0] and len(early) > 20
+
+
 def _resume_run(tmp_path, world_before: int, world_after: int, cut: int):
     cfg = _config(tmp_path)
     ledger_root = str(tmp_path / f"ledger_{world_before}_{world_after}")

@@ -167,13 +167,16 @@ class Feeder:
     def resume(self, saved: dict[str, Any] | None, step: int, epoch: int, on_change: OnChange,
                where: str) -> Resumed:
         """Start from a checkpoint's data state ``saved`` (taken at ``step`` in ``epoch``), as
-        ``run.on_data_change`` (``on_change``) allows; a restart or change is recorded in the ledger."""
+        ``run.on_data_change`` (``on_change``) allows; a restart or change is recorded in the ledger. The
+        position is then final: the stream starts reading now, before the first ``get``."""
         resumed = resume_state(saved, step, epoch, self.spec, on_change, where)
         if self.ledger is not None and resumed.kind == "restart":
             self.ledger.mark_restart(step, resumed.changes[0])
         elif self.ledger is not None and resumed.kind == "continue":
             self.ledger.mark_change(step, list(resumed.changes), [f.url for f in self.spec.table.files])
         self._load(resumed.state)
+        with self._cond:
+            self._start()
         return resumed
 
     def _load(self, state: DataState | None) -> None:
@@ -268,6 +271,12 @@ class Feeder:
             self._finished = True
             self._cond.notify_all()
 
+    def _start(self) -> None:
+        """Start producing (under the lock), once."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._produce, daemon=True)
+            self._thread.start()
+
     def _put(self, item: Item) -> None:
         with self._cond:
             while len(self._items) >= self.max_items:
@@ -282,16 +291,14 @@ class Feeder:
         ``index + least - 1`` are produced (fewer when the stream ends after ``index``), then also
         takes the items after them that are already produced, ``most`` in all: one call, not ``most``
         (the feeder's cost is per call). ``[]`` when the training data is over. The first call starts
-        the stream.
+        the stream, unless :meth:`resume` did.
 
         ``least`` is capped at the feeder's prefetch window, which the items of the slowest rank
         always fit, so a rank waiting for a full batch never waits on itself.
         """
         least = max(1, min(least, most, self.max_items))
         with self._cond:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._produce, daemon=True)
-                self._thread.start()
+            self._start()
             while not all(i in self._items for i in range(index, index + least)):
                 if index in self._items and (self._finished or self._error is not None):
                     break  # the stream ended after some of them: serve those

@@ -1,7 +1,7 @@
 """Training data for one rank from the feeder (:mod:`pipelines.stream.feeder`): step items -> micro-batches.
 
-Rank 0 starts the ``DataFeeder`` from the checkpoint's data state and shares its handle with the
-other ranks (a ``broadcast_object_list``); the feeder dies with rank 0, so a restarted worker group
+Rank 0 starts the ``DataFeeder`` before the engine builds (:class:`EarlyFeeder`), positions it at the
+checkpoint's data state and shares its handle with the other ranks (a ``broadcast_object_list``); the feeder dies with rank 0, so a restarted worker group
 always starts a fresh one from the checkpoint it restored. Each optimizer step takes one item: this
 rank's share of the step's global batch (:mod:`pipelines.stream.batch`; fewer at the end of an epoch; the
 step pads with no-loss micro-batches), collated here. The item holds block references and row
@@ -32,26 +32,43 @@ from pipelines.stream.spec import StreamSpec
 UNBOUNDED_EPOCHS = 1 << 30
 
 
-def share_feeder(cfg: Config, spec: StreamSpec, rank: int, world: int, step_rows: int, saved: dict | None,
-                 step: int, epoch: int, ledger_root: str, given: Any = None) -> tuple[Any, int]:
-    """Rank 0 starts the feeder from a checkpoint's data state ``saved`` (taken at ``step`` in ``epoch``; see
-    :meth:`pipelines.stream.feeder.Feeder.resume`); every rank gets its handle and the epoch training
-    continues in (the next one when the checkpoint ended an epoch)."""
-    import ray
+class EarlyFeeder:
+    """Rank 0's feeder, started before the engine builds (the model, DeepSpeed, a checkpoint's load), so that
+    its process starts meanwhile. On a fresh run (no checkpoint to resume) its position is known at once:
+    it is set then, and the feeder reads the first steps while the engine builds. Other ranks hold nothing.
+    """
 
-    box: list[Any] = [None, epoch]
-    if rank == 0:
+    def __init__(self, cfg: Config, spec: StreamSpec, rank: int, world: int, step_rows: int, ledger_root: str,
+                 fresh: bool, given: Any = None) -> None:
+        self.cfg, self.feeder, self.fresh_resume = cfg, None, None
+        if rank != 0:
+            return
         epochs = cfg.train.epochs if cfg.train.max_steps is None else UNBOUNDED_EPOCHS
-        feeder = start_feeder(spec, world, step_rows, None, ledger_root, epochs,
-                              storage=StorageOptions.from_config(cfg.storage), progress_bars=cfg.run.progress_bars,
-                              given=given)
-        resumed = ray.get(feeder.resume.remote(saved, step, epoch, cfg.run.on_data_change, f"step {step}"))
-        if resumed.banner:
-            print("!" * 80 + f"\nWARNING: {resumed.banner}\n" + "!" * 80, file=sys.__stdout__, flush=True)
-        box = [feeder, epoch if resumed.state is None else resumed.state.next_epoch]
-    if world > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0], box[1]
+        self.feeder = start_feeder(spec, world, step_rows, None, ledger_root, epochs,
+                                   storage=StorageOptions.from_config(cfg.storage),
+                                   progress_bars=cfg.run.progress_bars, given=given)
+        if fresh:  # as share() would ask after a fresh restore (step 0, epoch 0, no data state)
+            self.fresh_resume = self._resume(None, 0, 0)
+
+    def _resume(self, saved: dict | None, step: int, epoch: int) -> Any:
+        return self.feeder.resume.remote(saved, step, epoch, self.cfg.run.on_data_change, f"step {step}")
+
+    def share(self, rank: int, world: int, saved: dict | None, step: int, epoch: int) -> tuple[Any, int]:
+        """Rank 0 resumes the feeder from a checkpoint's data state ``saved`` (taken at ``step`` in ``epoch``;
+        see :meth:`pipelines.stream.feeder.Feeder.resume`), unless a fresh run did so already; every rank
+        gets its handle and the epoch training continues in (the next one when the checkpoint ended an epoch)."""
+        import ray
+
+        box: list[Any] = [None, epoch]
+        if rank == 0:
+            pending = self.fresh_resume if self.fresh_resume is not None else self._resume(saved, step, epoch)
+            resumed = ray.get(pending)
+            if resumed.banner:
+                print("!" * 80 + f"\nWARNING: {resumed.banner}\n" + "!" * 80, file=sys.__stdout__, flush=True)
+            box = [self.feeder, epoch if resumed.state is None else resumed.state.next_epoch]
+        if world > 1:
+            dist.broadcast_object_list(box, src=0)
+        return box[0], box[1]
 
 
 class StepFeed:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from pipelines.config import Config, config_from_dict
 from pipelines.console import setup_worker_console
 from pipelines.storage import StorageOptions
+from pipelines.stream.batch import batch_layout
 from pipelines.stream.spec import StreamSpec
 from pipelines.train.checkpoint import (
     ResumeSource,
@@ -42,7 +43,7 @@ from pipelines.train.checkpoint import (
 )
 from pipelines.train.export import export_run
 from pipelines.train.faults import maybe_fail
-from pipelines.train.feed import StepFeed, share_feeder
+from pipelines.train.feed import EarlyFeeder, StepFeed
 from pipelines.train.metrics import (
     Clock,
     MetricsWriter,
@@ -94,6 +95,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     clock.mark("workers")  # Ray Train's worker group is up (and its process group joined)
     init_distributed(cfg.scaling.use_gpu, device)
     source = resume_source(cfg.run.resume, config["fit_id"], cfg.storage, run_dir(cfg))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    early = EarlyFeeder(cfg, config["spec"], rank, world, batch_layout(cfg.train, cfg.scaling, world).step_rows,
+                        f"{run_dir(cfg)}/ledger", source is None, config.get("given"))
     te = build_engine(cfg, load_universal=source is not None and source.layout.needs_universal(dist.get_world_size()))
     clock.mark("engine")
     state = restore(te, source, config["fit_id"])
@@ -107,9 +111,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     eval_shard = ray.train.get_dataset_shard("eval") if config.get("has_eval") else None
     # Rank 0's feeder resumes from the checkpoint's data state (under run.on_data_change) before any training;
     # a step takes the run's global batch, whatever the world size (pipelines.stream.batch).
-    feeder, state.epoch = share_feeder(cfg, config["spec"], te.rank, te.world_size, te.layout.step_rows,
-                                       state.data_state, state.step, state.epoch, f"{run_dir(cfg)}/ledger",
-                                       config.get("given"))
+    feeder, state.epoch = early.share(te.rank, te.world_size, state.data_state, state.step, state.epoch)
     train = StepFeed(feeder, te.rank, cfg.train.micro_batch_size, te.collate_fn())
     clock.mark("feeder")
     WorkerLoop(cfg, te, state, train, eval_shard, clock, source).run()
