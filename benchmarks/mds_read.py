@@ -21,7 +21,9 @@ process (``--child NAME``) so imports, ``ray.init`` and memory never leak betwee
   feeder, which reads such a source in its own process, serving one rank 64-row steps that the rank fetches
   (``ours_feeder``). Mosaic's is llm-foundry's: a ``StreamingDataset`` subclass returning the ``tokens``
   array, iterated through the base class's ``__iter__`` (shard predownload, its defaults) by
-  ``DataLoader(num_workers=2)``, 64 samples a batch.
+  ``DataLoader(num_workers=2)``, 64 samples a batch. ``ours_tok_local_inproc`` runs the feeder's code in the
+  consumer's process instead of an actor (one consumer needs no actor; training's ranks share one), which
+  separates the actor's start and calls from the reading itself.
 * ``convert``: ``ray_jobs/convert.py --tokenize`` (2 write tasks) JSONL -> tokenized MDS, vs two peers
   that read the same JSONL, format each record with the same template, tokenize in batches of 1,000
   (``encode_batch_fast``: ids only) and write ``input_ids`` with ``MDSWriter`` (no label masks: less
@@ -259,10 +261,26 @@ def run_ours_feeder(p: dict[str, Any]) -> dict[str, Any]:
     import ray
 
     t = time.perf_counter()
-    client = FeederClient(start_feeder(cfg, 1, 64, None, None, epochs=1), 0)
+    if p.get("in_process"):  # the feeder's code in this process, as mosaic's loader is: no actor to start
+        from pipelines.stream.feeder import Feeder
+        from pipelines.stream.spec import build_spec
+
+        feeder, index = Feeder(build_spec(cfg, "train"), 1, 64, 1), 0
+
+        def steps() -> Any:
+            nonlocal index
+            while items := feeder.get(index, 0, most=8):
+                index += len(items)
+                yield from items
+    else:
+        client = FeederClient(start_feeder(cfg, 1, 64, None, None, epochs=1), 0)
+
+        def steps() -> Any:
+            while (item := client.next()) is not None:
+                yield item
     rows = tokens = first_tokens = 0
     first = None
-    while (item := client.next()) is not None:
+    for item in steps():
         if item.kind != "step":
             continue
         ids = item.columns(("input_ids",))["input_ids"]
@@ -533,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
             remote_tok = upload(work / "mds_tokens", endpoint, f"{BUCKET}/mds_tokens")
             cases.update({
                 "ours_tok_local": ("ours_feeder", {"path": str(work / "mds_tokens")}),
+                "ours_tok_local_inproc": ("ours_feeder", {"path": str(work / "mds_tokens"), "in_process": True}),
                 "mosaic_tok_local": ("mosaic", {"local": str(work / "mds_tokens"), "tokens": True}),
                 "ours_tok_s3": ("ours_feeder", {"path": remote_tok, "endpoint": endpoint}),
                 "mosaic_tok_s3": ("mosaic", {"local": str(work / "cache-tok-s3"), "remote": remote_tok,
@@ -553,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     labels = {"ours_local": "build_dataset, local MDS", "mosaic_local": "mosaic StreamingDataset+DataLoader(2), local",
               "ours_s3": "build_dataset, MDS on S3 (moto)", "mosaic_s3": "mosaic StreamingDataset+DataLoader(2), S3 (moto)",
               "ours_tok_local": "the feeder (training's path), pre-tokenized MDS, local",
+              "ours_tok_local_inproc": "the feeder's code in the consumer's process (no actor), pre-tokenized, local",
               "mosaic_tok_local": "mosaic StreamingDataset subclass+DataLoader(2), pre-tokenized, local",
               "ours_tok_s3": "the feeder (training's path), pre-tokenized MDS on S3 (moto)",
               "mosaic_tok_s3": "mosaic StreamingDataset subclass+DataLoader(2), pre-tokenized, S3 (moto)",
@@ -581,6 +601,13 @@ def main(argv: list[str] | None = None) -> int:
         summary[f"read_{where}_steady_ratio"] = round(steady, 3)
         print(f"read {where:<9}: ours / mosaic loader = {ratio:.2f}x tokens/s, {steady:.2f}x after each "
               f"one's first batch ({'same' if same else 'DIFFERENT'} token count: {a['tokens']} vs {b['tokens']})")
+    if "ours_tok_local_inproc" in results:  # the same code without the actor, against the same peer run
+        a, b = results["ours_tok_local_inproc"], results["mosaic_tok_local"]
+        summary["read_tok_local_inproc_ratio"] = round((a["tokens"] / a["total_s"]) / (b["tokens"] / b["total_s"]), 3)
+        summary["read_tok_local_inproc_steady_ratio"] = round(steady_rate(a) / steady_rate(b), 3)
+        print(f"read tok_local, the feeder's code in the consumer's process / mosaic loader = "
+              f"{summary['read_tok_local_inproc_ratio']:.2f}x tokens/s, "
+              f"{summary['read_tok_local_inproc_steady_ratio']:.2f}x after each one's first batch")
     if "convert" in results:
         peers = {k: results[k] for k in ("mosaic_procs", "tokenize_loop")}
         best = min(peers, key=lambda k: peers[k]["total_s"])

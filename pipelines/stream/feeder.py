@@ -13,15 +13,17 @@ in order, mixes them (:mod:`pipelines.stream.mixing`) and cuts the result into *
 
 The feeder is a control plane: the packed rows stay in Ray's object store as the Arrow blocks the
 packing stage wrote, and ranks fetch their slices themselves (:mod:`pipelines.stream.blocks`,
-:mod:`pipelines.stream.client`). A pre-tokenized source (every file an MDS shard of token ids,
-:func:`~pipelines.stream.dataset.all_pretokenized`) is the exception: nothing is left to tokenize, so the
-feeder reads, checks and packs it in its own process (:func:`~pipelines.stream.dataset.iter_packed_local`,
-the same rows) and puts each packed block in its node's object store. No read task waits for a worker
-process before the first step. Checking and packing ids takes one pass over them, tens of millions of
-tokens per CPU second, far more than the GPUs of a cluster train on; the feeder's node then reads
-every pre-tokenized byte, which the tokenizing stages never send it. The global row order does not depend on the world size, so a run
+:mod:`pipelines.stream.client`). The global row order does not depend on the world size, so a run
 checkpointed with 2 workers resumes with 1 (or 1 with 2) at the same row. The feeder prefetches in a
 thread, up to 16 items ahead of the slowest rank.
+
+A pre-tokenized source (every file an MDS shard of token ids, :func:`~pipelines.stream.dataset.all_pretokenized`)
+is read differently: nothing is left to tokenize, so the feeder reads, checks and packs it in its own process
+(:func:`~pipelines.stream.dataset.iter_packed_local`, the same rows) and puts each packed block in its node's
+object store (:func:`~pipelines.stream.blocks.chunks_put`). No read task waits for a worker process before the
+first step. Checking and packing ids is one pass over them, tens of millions of tokens per CPU second, far
+more than the GPUs of a cluster train on; the price is that the feeder's node reads every pre-tokenized byte,
+which the tokenizing stages never send it.
 
 The feeder owns the data position, as a stateful loader does: ``load_state_dict`` (before the first
 item) starts it from a saved position, ``resume`` does so under ``run.on_data_change``

@@ -1,8 +1,9 @@
 """Training data for one rank from the feeder (:mod:`pipelines.stream.feeder`): step items -> micro-batches.
 
 Rank 0 starts the ``DataFeeder`` before the engine builds (:class:`EarlyFeeder`), positions it at the
-checkpoint's data state and shares its handle with the other ranks (a ``broadcast_object_list``); the feeder dies with rank 0, so a restarted worker group
-always starts a fresh one from the checkpoint it restored. Each optimizer step takes one item: this
+checkpoint's data state and shares its handle with the other ranks (a ``broadcast_object_list``); the
+feeder dies with rank 0, so a restarted worker group always starts a fresh one from the checkpoint it
+restored. Each optimizer step takes one item: this
 rank's share of the step's global batch (:mod:`pipelines.stream.batch`; fewer at the end of an epoch; the
 step pads with no-loss micro-batches), collated here. The item holds block references and row
 ranges; this rank fetches its rows from the object store itself (zero-copy on the same node) and
