@@ -206,92 +206,84 @@ def upload(local: Path, endpoint: str, dest: str) -> str:
 # --------------------------------------------------------------------------- systems (child processes)
 
 
-def run_ours(p: dict[str, Any]) -> dict[str, Any]:
-    import pyarrow.compute as pc
-    import ray
-
+def _start_ours(p: dict[str, Any], dataset_type: str) -> tuple[Any, float]:
+    """Ours' set-up: ``ray.init`` (timed, reported apart as start-up) and the config over ``p["path"]``."""
     sys.path.insert(0, str(ROOT))
-    from benchlib import iter_ray_blocks
-
     from pipelines.config import config_from_dict
-    from pipelines.stream.dataset import build_dataset
+    from pipelines.ray_local import init_local
 
     t0 = time.perf_counter()
-    from pipelines.ray_local import init_local
     init_local(num_cpus=2, include_dashboard=False, log_to_driver=False)
     init = time.perf_counter() - t0
     cfg = config_from_dict({
         "model": {"tokenizer": str(GPT2)},
-        "data": {"datasets": [{"path": p["path"], "format": "mds", "type": "completion" if p.get("tokens") else "alpaca"}],
+        "data": {"datasets": [{"path": p["path"], "format": "mds", "type": dataset_type}],
                  "sequence_len": SEQ_LEN, "packing": "concat", **p.get("data", {})},
         "storage": {"endpoint_url": p.get("endpoint"), "retries": 5},
     })
+    return cfg, init
+
+
+def _count_ours(batches: Any, init: float) -> dict[str, Any]:
+    """Run ours to the end: ``batches`` yields each delivered batch's row lengths (``input_ids``), lazily, so
+    the clock starts here; Ray is shut down after."""
+    import ray
+
     t = time.perf_counter()
     rows = tokens = first_tokens = 0
     first = None
-    for batch in iter_ray_blocks(build_dataset(cfg)):
-        rows += batch.num_rows
-        tokens += pc.sum(pc.list_value_length(batch.column("input_ids"))).as_py()  # no per-token Python
+    for lengths in batches:
+        rows += len(lengths)
+        tokens += int(sum(lengths))
         if first is None:
             first, first_tokens = time.perf_counter() - t, tokens
     total = time.perf_counter() - t
     ray.shutdown()
     return {"init_s": init, "ttfb_s": first, "total_s": total, "rows": rows, "tokens": tokens,
             "first_tokens": first_tokens}
+
+
+def run_ours(p: dict[str, Any]) -> dict[str, Any]:
+    """Raw-text MDS through ``build_dataset`` (read, format, tokenize, pack), iterated to the end."""
+    import pyarrow.compute as pc
+
+    cfg, init = _start_ours(p, "completion" if p.get("tokens") else "alpaca")
+    from benchlib import iter_ray_blocks
+
+    from pipelines.stream.dataset import build_dataset
+
+    def batches() -> Any:
+        for batch in iter_ray_blocks(build_dataset(cfg)):
+            yield pc.list_value_length(batch.column("input_ids")).to_numpy()  # no per-token Python
+
+    return _count_ours(batches(), init)
 
 
 def run_ours_feeder(p: dict[str, Any]) -> dict[str, Any]:
     """Pre-tokenized MDS as training reads it: the feeder (which reads such a source in its own process) serves
     one rank 64-row steps, and the rank fetches each step's rows (numpy views of the object store)."""
-    sys.path.insert(0, str(ROOT))
-    from pipelines.config import config_from_dict
-    from pipelines.ray_local import init_local
+    cfg, init = _start_ours(p, "completion")
     from pipelines.stream.client import FeederClient
-    from pipelines.stream.feeder import start_feeder
+    from pipelines.stream.feeder import Feeder, start_feeder
+    from pipelines.stream.spec import build_spec
 
-    t0 = time.perf_counter()
-    init_local(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    init = time.perf_counter() - t0
-    cfg = config_from_dict({
-        "model": {"tokenizer": str(GPT2)},
-        "data": {"datasets": [{"path": p["path"], "format": "mds", "type": "completion"}],
-                 "sequence_len": SEQ_LEN, "packing": "concat"},
-        "storage": {"endpoint_url": p.get("endpoint"), "retries": 5},
-    })
-    import ray
-
-    t = time.perf_counter()
-    if p.get("in_process"):  # the feeder's code in this process, as mosaic's loader is: no actor to start
-        from pipelines.stream.feeder import Feeder
-        from pipelines.stream.spec import build_spec
-
-        feeder, index = Feeder(build_spec(cfg, "train"), 1, 64, 1), 0
-
-        def steps() -> Any:
-            nonlocal index
+    def steps() -> Any:
+        if p.get("in_process"):  # the feeder's code in this process, as mosaic's loader is: no actor to start
+            feeder, index = Feeder(build_spec(cfg, "train"), 1, 64, 1), 0
             while items := feeder.get(index, 0, most=8):
                 index += len(items)
                 yield from items
-    else:
-        client = FeederClient(start_feeder(cfg, 1, 64, None, None, epochs=1), 0)
-
-        def steps() -> Any:
+        else:
+            client = FeederClient(start_feeder(cfg, 1, 64, None, None, epochs=1), 0)
             while (item := client.next()) is not None:
                 yield item
-    rows = tokens = first_tokens = 0
-    first = None
-    for item in steps():
-        if item.kind != "step":
-            continue
-        ids = item.columns(("input_ids",))["input_ids"]
-        rows += len(ids)
-        tokens += sum(len(r) for r in ids)
-        if first is None:
-            first, first_tokens = time.perf_counter() - t, tokens
-    total = time.perf_counter() - t
-    ray.shutdown()
-    return {"init_s": init, "ttfb_s": first, "total_s": total, "rows": rows, "tokens": tokens,
-            "first_tokens": first_tokens}
+
+    def batches() -> Any:
+        for item in steps():
+            if item.kind == "step":
+                yield [len(r) for r in item.columns(("input_ids",))["input_ids"]]
+
+    return _count_ours(batches(), init)
 
 
 class _TokenizingDataset:
