@@ -226,7 +226,7 @@ def run_bench_quick(out: Path) -> BenchRun:
 # --------------------------------------------------------------------------- jobs beside the tests
 
 # Jobs that run as processes of their own, with their own Ray, and that tests read afterwards. They start
-# when collection ends, one after another in a thread, while the in-process tests run (those leave CPU
+# when collection ends (after -m/-k deselection: only for the tests that will run), one after another in a thread, while the in-process tests run (those leave CPU
 # idle while they wait on Ray's workers); the tests that read them run last (pytest_collection_modifyitems).
 # A fixture named after a job returns its result, or runs it then and there when it was not started.
 def _make_mosaic_python(tmp: Path) -> Path:
