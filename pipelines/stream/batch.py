@@ -2,7 +2,8 @@
 
 A step means the same rows at every world size of an elastic run (or of any run with
 ``train.global_batch_size`` set): one that shrinks from 2 workers to 1 takes the same rows in the same order
-and follows the same loss curve. A fixed-size run without it keeps micro x accumulation rows per worker. Example: 8 rows per step, micro-batches of 2::
+and follows the same loss curve. A fixed-size run without it keeps micro x accumulation rows per worker.
+Example: 8 rows per step, micro-batches of 2::
 
     4 workers: 2 rows each  -> 1 micro-batch per rank
     2 workers: 4 rows each  -> 2 micro-batches (accumulated)
