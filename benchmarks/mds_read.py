@@ -38,7 +38,8 @@ process (``--child NAME``) so imports, ``ray.init`` and memory never leak betwee
     on), the tokenizer loaded before the clock.
 
   The better of the two is "the peer". All convert their own, larger JSONL set (``--convert-mb``,
-  200 MB, so that neither side's fixed costs decide).
+  200 MB, so that neither side's fixed costs decide). ``convert_stages`` (not a peer) runs ours' stages in
+  one process and one thread without Ray, to separate their cost from that of running them through Ray.
 
 Runs are interleaved: each round runs every case once, in the same order, and a case's figures are the
 median of its rounds, with the spread (min-max of total seconds) beside it. ``--cases`` picks a subset
@@ -449,6 +450,45 @@ def run_mosaic_procs(p: dict[str, Any]) -> dict[str, Any]:
     return {"total_s": total, "rows": rows}
 
 
+def run_convert_stages(p: dict[str, Any]) -> dict[str, Any]:
+    """Ours' conversion stages in one process and one thread, without Ray: the read, the tokenizer stage (labels
+    too) and our MDS writer over every file, as ``convert.py --tokenize`` runs them in its tasks and actors. Not a
+    system a user runs: it separates the stages' cost from the cost of running them through Ray."""
+    os.environ.update(TOKENIZERS_PARALLELISM="false", RAYON_NUM_THREADS="1")
+    sys.path.insert(0, str(ROOT))
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from pipelines.config import config_from_dict
+    from pipelines.mds.writer import ShardWriter
+    from pipelines.mds.writer import _arrow_rows as arrow_rows  # the samples MDSDatasink writes from a block
+    from pipelines.sources.datasource import ReadOptions, read_files
+    from pipelines.stats import StatsSink
+    from pipelines.stream.spec import build_spec
+    from pipelines.tokenize.stage import Tokenizer
+
+    cfg = config_from_dict({"model": {"tokenizer": str(GPT2)}, "data": {
+        "datasets": [{"path": p["jsonl"], "format": "jsonl", "type": "alpaca"}], "sequence_len": SEQ_LEN}})
+    spec = build_spec(cfg, "train")
+    table, sink = spec.table, StatsSink()
+    opts = ReadOptions(storage=table.storage, on_bad_record="raise", unit_size=4096,
+                       text_fields=tuple(d.text_field for d in table.datasets))
+    tok = Tokenizer(spec.data, spec.model, table, sink, 1)  # the tokenizer loaded before the clock, as the peers'
+    columns = {"input_ids": "ndarray:int32", "labels": "ndarray:int32", "source_sample_id": "int64"}
+    t = time.perf_counter()
+    rows = 0
+    with ShardWriter(out=p["out"], columns=columns, compression="zstd", hashes=["xxh64"],
+                     size_limit=p["shard_bytes"]) as w:
+        for block in tok.stream(read_files(list(table.files), opts, sink)):
+            block = block.filter(pc.greater(pc.list_value_length(block.column("input_ids")), 0))
+            written = pa.table({"input_ids": block.column("input_ids"), "labels": block.column("labels"),
+                                "source_sample_id": block.column("sample_id")})
+            for sample in arrow_rows(written, columns):
+                w.write(sample)
+                rows += 1
+    return {"total_s": time.perf_counter() - t, "rows": rows}
+
+
 def steady_rate(r: dict[str, Any]) -> float:
     """Tokens/s after the first batch: start-up (worker processes, first shard) left out, reported beside
     the total (which the targets use)."""
@@ -456,7 +496,7 @@ def steady_rate(r: dict[str, Any]) -> float:
 
 
 SYSTEMS = {"ours": run_ours, "ours_feeder": run_ours_feeder, "mosaic": run_mosaic, "convert": run_convert, "tokenize_loop": run_tokenize_loop,
-           "mosaic_procs": run_mosaic_procs}
+           "mosaic_procs": run_mosaic_procs, "convert_stages": run_convert_stages}
 
 
 def interleaved(cases: dict[str, tuple[str, dict[str, Any]]], repeats: int) -> dict[str, dict[str, Any]]:
@@ -555,7 +595,9 @@ def main(argv: list[str] | None = None) -> int:
                 "mosaic_procs": ("mosaic_procs", {"jsonl": jsonl, "out": str(work / "mosaic_procs"),
                                                   "shard_bytes": shard_bytes, "procs": 2}),
                 "tokenize_loop": ("tokenize_loop", {"jsonl": jsonl, "out": str(work / "tokenize_loop"),
-                                                    "shard_bytes": shard_bytes})})
+                                                    "shard_bytes": shard_bytes}),
+                "convert_stages": ("convert_stages", {"jsonl": jsonl, "out": str(work / "convert_stages"),
+                                                      "shard_bytes": shard_bytes})})
         results = interleaved(cases, reps)
     finally:
         if moto is not None:
@@ -570,7 +612,8 @@ def main(argv: list[str] | None = None) -> int:
               "mosaic_tok_s3": "mosaic StreamingDataset subclass+DataLoader(2), pre-tokenized, S3 (moto)",
               "convert": "ray_jobs/convert.py --tokenize JSONL -> MDS (2 tasks)",
               "mosaic_procs": "mosaic parallel conversion: Pool(2) x MDSWriter + merge_index",
-              "tokenize_loop": "one process: tokenize (2 threads) + MDSWriter loop"}
+              "tokenize_loop": "one process: tokenize (2 threads) + MDSWriter loop",
+              "convert_stages": "ours' stages in one process, one thread, no Ray (not a peer)"}
     print(f"\nmedian of {reps} interleaved run(s) per system, each in a fresh process; spread: min-max of total s")
     print("\n| system | total s | spread s | first batch s | start-up s | rows | tokens | Mtok/s "
           "| Mtok/s after the first batch | runs in round order (total s) |")
