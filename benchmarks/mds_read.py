@@ -38,12 +38,13 @@ process (``--child NAME``) so imports, ``ray.init`` and memory never leak betwee
     on), the tokenizer loaded before the clock.
 
   The better of the two is "the peer". All convert their own, larger JSONL set (``--convert-mb``,
-  200 MB, so that neither side's fixed costs decide). ``convert_stages`` (not a peer) runs ours' stages in
-  one process and one thread without Ray, to separate their cost from that of running them through Ray.
+  200 MB, so that neither side's fixed costs decide). ``convert_stages`` (case ``stages``; not a peer) runs
+  ours' stages in one process and one thread without Ray, to separate their cost from that of running them
+  through Ray.
 
 Runs are interleaved: each round runs every case once, in the same order, and a case's figures are the
 median of its rounds, with the spread (min-max of total seconds) beside it. ``--cases`` picks a subset
-(``read``, ``tok``, ``convert``). Ratios > 1 mean ours is faster. Every system sees the same cores.
+(``read``, ``tok``, ``convert``, ``stages``). Ratios > 1 mean ours is faster. Every system sees the same cores.
 """
 
 from __future__ import annotations
@@ -544,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mb", type=float, default=50.0, help="uncompressed size of the data the reads use")
     ap.add_argument("--convert-mb", type=float, default=200.0, help="size of the JSONL the conversion case uses")
     ap.add_argument("--repeats", type=int, help="interleaved rounds, median reported (default 5, quick 1)")
-    ap.add_argument("--cases", default="read,tok,convert", help="subset: read, tok (pre-tokenized reads), convert")
+    ap.add_argument("--cases", default="read,tok,convert", help="subset: read, tok (pre-tokenized reads), convert, stages (ours' conversion stages without Ray)")
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "pipelines-mds-bench"))
     ap.add_argument("--child", nargs=2, metavar=("NAME", "JSON"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -556,16 +557,16 @@ def main(argv: list[str] | None = None) -> int:
     reps = args.repeats or (1 if args.quick else 5)
     work = Path(args.work)
     groups = set(args.cases.split(","))
-    unknown = groups - {"read", "tok", "convert"}
+    unknown = groups - {"read", "tok", "convert", "stages"}
     if unknown:
-        ap.error(f"--cases: unknown {sorted(unknown)} (read, tok, convert)")
+        ap.error(f"--cases: unknown {sorted(unknown)} (read, tok, convert, stages)")
     data: dict[str, Any] = {}
     if groups & {"read", "tok"}:
         data.update(prepare(work, mb, shard_bytes, files))
         data.update(prepare_tokens(work, shard_bytes))
         print(f"data: {data['samples']} samples ({data['copies']} copies of Alpaca+LIMA), {data['raw_mb']:.1f} MB "
               f"uncompressed, {data['zstd_mb']:.1f} MB zstd in {data['shards']} shards; {files} JSONL files", flush=True)
-    if "convert" in groups:
+    if groups & {"convert", "stages"}:
         data.update(prepare_convert(work, convert_mb, files))
         print(f"convert data: {data['convert_samples']} samples ({data['convert_copies']} copies), "
               f"{data['convert_mb']:.1f} MB of JSONL in {files} files", flush=True)
@@ -595,9 +596,11 @@ def main(argv: list[str] | None = None) -> int:
                 "mosaic_procs": ("mosaic_procs", {"jsonl": jsonl, "out": str(work / "mosaic_procs"),
                                                   "shard_bytes": shard_bytes, "procs": 2}),
                 "tokenize_loop": ("tokenize_loop", {"jsonl": jsonl, "out": str(work / "tokenize_loop"),
-                                                    "shard_bytes": shard_bytes}),
-                "convert_stages": ("convert_stages", {"jsonl": jsonl, "out": str(work / "convert_stages"),
-                                                      "shard_bytes": shard_bytes})})
+                                                    "shard_bytes": shard_bytes})})
+        if "stages" in groups:
+            cases["convert_stages"] = ("convert_stages", {"jsonl": str(work / "jsonl_convert"),
+                                                          "out": str(work / "convert_stages"),
+                                                          "shard_bytes": shard_bytes})
         results = interleaved(cases, reps)
     finally:
         if moto is not None:

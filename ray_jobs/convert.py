@@ -42,8 +42,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # `python ray_jobs/convert.py` from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO_ROOT))
 
-import pyarrow as pa  # noqa: E402
-import pyarrow.compute as pc  # noqa: E402
 
 from pipelines.config import Config, ConfigError, DataConfig, DatasetConfig, StorageConfig, load_config  # noqa: E402
 from pipelines.sources.listing import SourceError, SourceFile, SourceTable, resolve_dataset  # noqa: E402
@@ -163,12 +161,16 @@ def rows_per_part(records: list[str], size_limit: int, unit_records: int | None 
     return max(1, rows)
 
 
-def _keep_tokenized(batch: pa.Table) -> pa.Table:
-    """Tokenizer output -> the written columns; skipped records (empty rows) are left out."""
-    lengths = pc.list_value_length(batch.column("input_ids"))
-    batch = batch.filter(pc.greater(lengths, 0))
-    return pa.table({"input_ids": batch.column("input_ids"), "labels": batch.column("labels"),
-                     "source_sample_id": batch.column("sample_id")})
+def tokenize_in_tasks(placement: str, n_files: int, tasks: int) -> bool:
+    """Whether ``--tokenize`` tokenizes in the read tasks, each writing its own part, as mosaic's
+    ``multiprocessing.Pool`` conversion does: ``data.tokenize.placement`` ``read_tasks``, or ``auto`` with at
+    least as many files as tasks (each task then takes a group of whole files). Otherwise (``actors``, or
+    fewer files than tasks) the reads hand their blocks to a pool of tokenizer actors and the write tasks
+    take them from there, so one large file is still tokenized by every actor.
+
+    Example: 16 files, 2 tasks -> in the tasks (two parts of 8 files each); one file -> actors.
+    """
+    return placement == "read_tasks" or (placement == "auto" and n_files >= tasks)
 
 
 def tokenized_meta(cfg: Config, table: SourceTable) -> dict[str, Any]:
@@ -201,7 +203,14 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
     from pipelines.mds.writer import MDSDatasink, parse_size
     from pipelines.sources.datasource import ReadOptions, ShardDatasource
     from pipelines.stats import StatsSink, format_report, stats_sink
-    from pipelines.stream.dataset import tokenizer_stage
+    from pipelines.stream.dataset import (
+        STORED_SCHEMA,
+        TokenizeToStore,
+        read_task_args,
+        stored_columns,
+        tokenizer_in_read_tasks,
+        tokenizer_stage,
+    )
     from pipelines.stream.spec import build_spec
     from pipelines.stream.units import READ_BLOCK_BYTES
 
@@ -223,33 +232,54 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
     # Read, filter and write tasks ask data.read_num_cpus (small, so they run beside the tokenizer actors).
     worker_cpus = cfg.data.read_num_cpus if cfg else DataConfig.model_fields["read_num_cpus"].default
     order = list(range(len(table.files)))
-    source = ShardDatasource(table, order, read_opts, StatsSink(), first_unit_task=False)  # no first row to hurry
-    ds = ray.data.read_datasource(source, override_num_blocks=max(1, min(len(order), tasks)), num_cpus=worker_cpus,
-                                  concurrency=spec.placement.reads_at_once(token_ids=False) if args.tokenize else None)
-    ds.context.execution_options.preserve_order = True
-    # Units leave the read tasks as they are read (Ray's default would hold a task's blocks up to 128 MB:
-    # the tokenizer would wait for whole read tasks, and the writes for the whole tokenizer stage).
-    ds.context.target_max_block_size = READ_BLOCK_BYTES
     sample = first_records(table, read_opts, args.sample_records)
     common = {"compression": compression, "hashes": hashes, "size_limit": args.size_limit, "storage": opts,
-              "overwrite": args.overwrite, "min_rows_per_write": rows_per_part(sample, parse_size(args.size_limit),
-                                                  None if args.tokenize else read_opts.unit_size)}
+              "overwrite": args.overwrite}
+    write_args: dict[str, Any] = {"num_cpus": worker_cpus}
     if args.tokenize:
         assert cfg is not None
         sink_stats = stats_sink()
-        ds = tokenizer_stage(ds, spec, sink_stats)
-        ds = ds.map_batches(_keep_tokenized, batch_size=None, batch_format="pyarrow", num_cpus=worker_cpus)
         meta = json.dumps(tokenized_meta(cfg, table), indent=1).encode("utf-8")
+        tok = spec.placement.tokenize
+        fused = tokenize_in_tasks(tok.placement, len(order), tasks)
+    else:
+        sink_stats, fused = StatsSink(), False
+    if fused:
+        # Read, tokenize and write in one task per group of files, `tasks` at once, as mosaic's Pool does: no
+        # block crosses the object store, and each task writes its own part (Ray Data fuses the write into the
+        # read tasks, as their remote arguments and concurrency are the same).
+        threads = int(tok.threads) if tok.threads != "auto" else max(1, math.floor(spec.placement.cpus / tasks))
+        stage = tokenizer_in_read_tasks(TokenizeToStore, {"data": cfg.data, "model": cfg.model, "table": table,
+                                                          "sink": sink_stats}, threads)
+        write_args = read_task_args(spec.placement, stage)
+        source = ShardDatasource(table, order, read_opts, sink_stats, stage=stage, stage_schema=STORED_SCHEMA,
+                                 first_unit_task=False)
+        ds = ray.data.read_datasource(source, override_num_blocks=min(len(order), tasks), concurrency=tasks,
+                                      **write_args)
+    else:
+        source = ShardDatasource(table, order, read_opts, StatsSink(), first_unit_task=False)  # no first row to hurry
+        ds = ray.data.read_datasource(source, override_num_blocks=max(1, min(len(order), tasks)), num_cpus=worker_cpus,
+                                      concurrency=spec.placement.reads_at_once(token_ids=False) if args.tokenize else None)
+        # Units leave the read tasks as they are read (Ray's default would hold a task's blocks up to 128 MB:
+        # the tokenizer would wait for whole read tasks, and the writes for the whole tokenizer stage).
+        ds.context.target_max_block_size = READ_BLOCK_BYTES
+        common["min_rows_per_write"] = rows_per_part(sample, parse_size(args.size_limit),
+                                                     None if args.tokenize else read_opts.unit_size)
+        if args.tokenize:
+            ds = tokenizer_stage(ds, spec, sink_stats)
+            ds = ds.map_batches(stored_columns, batch_size=None, batch_format="pyarrow", num_cpus=worker_cpus)
+    ds.context.execution_options.preserve_order = True
+    if args.tokenize:
         sink = MDSDatasink(args.output, TOKENIZED_COLUMNS, extra_files={"tokenized.json": meta}, **common)
     else:
         columns = choose_columns(table, sample, parse_columns(args.columns))
         sink = MDSDatasink(args.output, columns, record_column="record", locate=table.where, **common)
-    # Write tasks as small as the reads (Ray's default, 1 CPU, waits for the tokenizer actor's CPU: the
-    # writes would only start when tokenizing is over), at most --write-tasks at a time. An input of
+    # Streamed, the write tasks are as small as the reads (Ray's default, 1 CPU, waits for the tokenizer actor's
+    # CPU: the writes would only start when tokenizing is over), at most --write-tasks at a time. An input of
     # fewer parts than that is not a mistake, so Ray's warning about it is not shown.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The maximum number of concurrent tasks for 'Write'")
-        ds.write_datasink(sink, ray_remote_args={"num_cpus": worker_cpus}, concurrency=tasks)
+        ds.write_datasink(sink, ray_remote_args=write_args, concurrency=tasks)
     result = {**sink.written, "seconds": round(time.perf_counter() - t0, 2), "output": args.output,
               "mode": "tokenize" if args.tokenize else "raw"}
     if args.tokenize:

@@ -442,6 +442,45 @@ def test_convert_streams_into_parts_of_whole_shards_in_source_order(ray_local, t
     assert [split_sample_id(i)[1] for i in ids] == list(range(len(alpaca)))
 
 
+def test_convert_of_many_files_tokenizes_and_writes_in_each_read_task(ray_local, tmp_path, alpaca, capsys,
+                                                                     monkeypatch):
+    """At least as many files as tasks: each task reads its group of files, tokenizes it and writes one part
+    (mosaic's Pool conversion), and the set holds what the streamed conversion (tokenizer actors) writes."""
+    import ray.data
+
+    convert = load_ray_job("convert")
+    # Blocks of 16 kB: a write that ran apart from the reads would take them one by one, a part each.
+    monkeypatch.setattr(ray.data.DataContext.get_current(), "target_max_block_size", 16 << 10)
+    src = tmp_path / "alpaca"
+    src.mkdir()
+    for i in range(4):  # 250, 250, 250, 249 records
+        (src / f"part-{i}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in alpaca[i * 250:(i + 1) * 250]))
+    config = _write_config(tmp_path / "gpt2.yaml", src, GPT2)
+
+    def run(out: Path, *overrides: str) -> tuple[dict, list[dict]]:
+        assert convert.main(["--tokenize", "--config", str(config), "--output", str(out), "--size-limit", "64kb",
+                             "--write-tasks", "2", *overrides]) == 0
+        return _summary(capsys.readouterr().out), read_ours(out)
+
+    summary, rows = run(tmp_path / "in-tasks")
+    shards = json.loads((tmp_path / "in-tasks" / "index.json").read_text())["shards"]
+    files_of = {}
+    for shard, start in zip(shards, np.cumsum([0] + [s["samples"] for s in shards]), strict=False):
+        part = shard["raw_data"]["basename"].split("/")[0]
+        files_of.setdefault(part, set()).update(split_sample_id(r["source_sample_id"])[0]
+                                                for r in rows[start:start + shard["samples"]])
+    # one part per task, each of a group of whole files (similar in bytes), in the source order
+    assert summary["parts"] == 2 and sorted(files_of) == ["part-00000", "part-00001"], files_of
+    first, second = files_of["part-00000"], files_of["part-00001"]
+    assert first and second and max(first) < min(second) and first | second == {0, 1, 2, 3}, files_of
+    assert [split_sample_id(r["source_sample_id"]) for r in rows] == [(i // 250, i % 250) for i in range(len(alpaca))]
+
+    streamed_summary, streamed = run(tmp_path / "streamed", "data.tokenize.placement=actors")
+    assert streamed_summary["rows"] == summary["rows"] == len(alpaca)
+    assert [(r["source_sample_id"], r["input_ids"].tolist(), r["labels"].tolist()) for r in rows] == \
+        [(r["source_sample_id"], r["input_ids"].tolist(), r["labels"].tolist()) for r in streamed]
+
+
 @pytest.mark.slow  # runs mosaic's own reader in its venv (tests/mosaic_venv.py)
 def test_convert_raw_keeps_columns_and_order(ray_local, tmp_path, alpaca, capsys, mosaic_python):
     convert = load_ray_job("convert")

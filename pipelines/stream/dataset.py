@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import ray
 
 from pipelines.config import Config, DataConfig, ModelConfig
@@ -127,6 +128,35 @@ class TokenizeAndPack:
         return map(self.packer, self.tokenizer.stream(blocks))
 
 
+# The columns of a tokenized set as ``ray_jobs/convert.py --tokenize`` writes it (:class:`TokenizeToStore`).
+STORED_SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
+                           ("source_sample_id", pa.int64())])
+
+
+def stored_columns(batch: pa.Table) -> pa.Table:
+    """Tokenizer output -> the columns a tokenized set stores (:data:`STORED_SCHEMA`); the records the
+    tokenizer skipped (empty rows, counted by it) are left out."""
+    batch = batch.filter(pc.greater(pc.list_value_length(batch.column("input_ids")), 0))
+    return pa.Table.from_arrays([batch.column("input_ids"), batch.column("labels"), batch.column("sample_id")],
+                                schema=STORED_SCHEMA)
+
+
+class TokenizeToStore:
+    """``ray_jobs/convert.py --tokenize``'s stage: blocks of whole units -> :func:`stored_columns` of their
+    tokenized records, not packed (a training run packs them for its own ``sequence_len``)."""
+
+    def __init__(self, data: DataConfig, model: ModelConfig, table: SourceTable, sink: StatsSink, threads: int,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.tokenizer = Tokenizer(data, model, table, sink, threads, env)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return stored_columns(self.tokenizer(batch))
+
+    def stream(self, blocks: Iterable[pa.Table]) -> Iterator[pa.Table]:
+        """``map(self, blocks)``, each block's columns cut while the next one encodes (:meth:`Tokenizer.stream`)."""
+        return map(stored_columns, self.tokenizer.stream(blocks))
+
+
 class CheckAndPack:
     """The pre-tokenized stage: id-column blocks of whole units -> packed rows (no tokenizer runs)."""
 
@@ -165,7 +195,7 @@ class InReadTask:
     """
 
     key: str
-    stage: type[CheckAndPack | TokenizeAndPack]
+    stage: type[CheckAndPack | TokenizeAndPack | TokenizeToStore]
     kwargs: dict[str, Any]
     env: Mapping[str, str] = field(default_factory=dict)
     isolated: bool = False
@@ -197,7 +227,9 @@ def read_task_args(place: Placement, stage: InReadTask | None) -> dict[str, Any]
     if stage is None or stage.stage is CheckAndPack:
         return {"num_cpus": place.read_num_cpus}
     tok = place.tokenize
-    args: dict[str, Any] = {"num_cpus": tok.num_cpus, "resources": dict(tok.resources) or None}
+    args: dict[str, Any] = {"num_cpus": tok.num_cpus}
+    if tok.resources:  # not ``None`` where there are none: Ray Data's fusion check reads it as a dict
+        args["resources"] = dict(tok.resources)
     if stage.isolated:
         args["runtime_env"] = {"env_vars": dict(stage.env)}
     return args
@@ -249,11 +281,17 @@ def read_task_stage(spec: StreamSpec, sink: StatsSink, pack: PackOptions, token_
         return InReadTask(uuid.uuid4().hex, CheckAndPack, {**kwargs, "vocab_size": tokenizer_vocab_size(spec.model)})
     if spec.placement.where != "read_tasks":
         return None
-    threads = spec.placement.threads
-    kwargs["threads"] = threads
-    if imports_transformers(spec.model, spec.table):
-        return InReadTask(uuid.uuid4().hex, TokenizeAndPack, kwargs, tokenizer_env(threads), isolated=True)
-    return InReadTask(uuid.uuid4().hex, TokenizeAndPack, kwargs, rust_thread_env(threads))
+    return tokenizer_in_read_tasks(TokenizeAndPack, kwargs, spec.placement.threads)
+
+
+def tokenizer_in_read_tasks(stage: type[TokenizeAndPack | TokenizeToStore], kwargs: dict[str, Any],
+                            threads: int) -> InReadTask:
+    """A tokenizer ``stage`` to run in the read tasks, ``threads`` Rust threads each, with the environment
+    :func:`read_task_stage` explains (``kwargs`` hold the stage's ``model`` and ``table``)."""
+    kwargs = {**kwargs, "threads": threads}
+    if imports_transformers(kwargs["model"], kwargs["table"]):
+        return InReadTask(uuid.uuid4().hex, stage, kwargs, tokenizer_env(threads), isolated=True)
+    return InReadTask(uuid.uuid4().hex, stage, kwargs, rust_thread_env(threads))
 
 
 def tokenizer_stage(ds: ray.data.Dataset, spec: StreamSpec, sink: StatsSink,
