@@ -261,7 +261,8 @@ class TokenizeConfig(_Strict):
         "then reserving num_cpus and resources instead of read_num_cpus, up to num_actors at once; a file group is "
         "tokenized by its one task. auto: read_tasks where the pool would hold one actor at most and resources is "
         "empty (a lone actor adds a process and an object-store hop, and no parallelism), actors otherwise. "
-        "convert.py --tokenize always uses actors."
+        "convert.py --tokenize: read_tasks (each task also writes its own part) where auto finds at least as many "
+        "files as write tasks, actors otherwise."
     )
 
     @field_validator("num_actors", "threads")

@@ -23,7 +23,9 @@ raw (default)
 Object storage: endpoint and region from ``--endpoint-url`` / ``--region``, the config's ``storage:``
 section, or the AWS environment (``AWS_ENDPOINT_URL``, ``AWS_REGION``); credentials only from the
 environment / AWS config files. Shards: zstd by default, xxh64 hashes, 64 MiB per shard; each
-write task writes ``part-NNNNN/`` and one merged ``index.json`` is written last.
+write task writes ``part-NNNNN/`` and one merged ``index.json`` is written last. With ``--tokenize``
+and at least as many files as write tasks, each task reads a group of whole files, tokenizes and
+writes it (:func:`tokenize_in_tasks`); otherwise the reads feed a pool of tokenizer actors.
 """
 
 from __future__ import annotations
