@@ -12,7 +12,7 @@ the roots take turns: old, new, old, new, ... The first root is the baseline of 
 What is timed, in-process and without Ray (as ``tests/test_chat_labels.py``'s ``_tokenize``): the
 ``Tokenizer`` stage (``pipelines.tokenize.stage.Tokenizer``, JSON parse + chat formatting + encoding + labels)
 over every block of the case, ``tok(block)`` per block. Outside the clock: loading the tokenizer, reading
-the files into blocks (``pipelines.sources.datasource.read_files``), and a warm-up pass of a separate
+the files into blocks (``pipelines.sources.read.read_files``), and a warm-up pass of a separate
 ``Tokenizer`` over the first 64 records (the chat template's compilation and other first-use costs).
 The Rust tokenizer runs on one thread in every run (``RAYON_NUM_THREADS=1``,
 ``TOKENIZERS_PARALLELISM=false`` in the child's environment, ``data.tokenize.threads: 1``).
@@ -230,8 +230,8 @@ def write_cases(n: int, work: Path = WORK) -> dict[str, dict[str, str]]:
 def _stage(path: str) -> tuple[Any, Any, list]:
     """A Tokenizer for one JSONL file, its sink, and the file's blocks (read now)."""
     from pipelines.config import config_from_dict
-    from pipelines.sources.datasource import ReadOptions, read_files
     from pipelines.sources.listing import resolve_sources
+    from pipelines.sources.read import ReadOptions, read_files
     from pipelines.stats import StatsSink
     from pipelines.tokenize.stage import Tokenizer
 

@@ -75,7 +75,7 @@ ATTNS = ("sdpa", "flash_attention_2", "flex_attention")
 def make_rows(seq_len: int) -> list[dict[str, np.ndarray]]:
     """Packed rows of the demo SFT data, made by the project's pipeline in this process (needs Ray importable)."""
     from pipelines.config import load_config
-    from pipelines.stream.dataset import iter_packed_local
+    from pipelines.stream.stages import iter_packed_local
 
     cfg = load_config(REPO / "configs" / "default.yaml", [f"data.sequence_len={seq_len}", "data.eval_fraction=0"])
     rows = []

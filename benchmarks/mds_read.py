@@ -463,7 +463,7 @@ def run_convert_stages(p: dict[str, Any]) -> dict[str, Any]:
     from pipelines.config import config_from_dict
     from pipelines.mds.writer import ShardWriter
     from pipelines.mds.writer import _arrow_rows as arrow_rows  # the samples MDSDatasink writes from a block
-    from pipelines.sources.datasource import ReadOptions, read_files
+    from pipelines.sources.read import ReadOptions, read_files
     from pipelines.stats import StatsSink
     from pipelines.stream.spec import build_spec
     from pipelines.tokenize.stage import Tokenizer

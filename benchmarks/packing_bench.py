@@ -43,8 +43,8 @@ def tokenize_all(data_path: Path, tokenizer: Path) -> Any:
     """All samples of one file as :class:`pipelines.stream.packing.Samples`, in file order, untruncated."""
     from pipelines.config import config_from_dict
     from pipelines.stats import StatsSink
-    from pipelines.stream.dataset import iter_packed_local
     from pipelines.stream.packing import Samples
+    from pipelines.stream.stages import iter_packed_local
 
     cfg = config_from_dict({"model": {"tokenizer": str(tokenizer)},
                             "data": {"datasets": [{"path": str(data_path), "type": "alpaca"}],

@@ -265,7 +265,7 @@ def sys_ours(p: dict[str, Any]) -> dict[str, Any]:
 def sys_ours_local(p: dict[str, Any]) -> dict[str, Any]:
     """``iter_packed_local``: the same stages in this one process, no Ray (reference)."""
     from pipelines.stats import StatsSink, efficiency
-    from pipelines.stream.dataset import iter_packed_local
+    from pipelines.stream.stages import iter_packed_local
 
     cfg = _ours_config(p)
     sink = StatsSink()
@@ -288,7 +288,8 @@ def sys_stage(p: dict[str, Any]) -> dict[str, Any]:
     inside ``iter_packed_local``). Threads: ``data.tokenize.threads`` =
     RAYON_NUM_THREADS (set by the parent).
     """
-    import pipelines.stream.dataset as pd
+    import pipelines.stream.stages as pd
+    from pipelines.sources.listing import resolve_sources
     from pipelines.stats import StatsSink
 
     timers = {"encode_s": 0.0, "python_s": 0.0, "pack_s": 0.0}
@@ -321,7 +322,7 @@ def sys_stage(p: dict[str, Any]) -> dict[str, Any]:
     threads = int(os.environ.get("RAYON_NUM_THREADS", "1"))
     cfg = _ours_config({**p, "data_overrides": {"tokenize": {"threads": threads}}})
     # Warm-up: load the tokenizer and touch the code paths once (not timed).
-    TimedTokenizer(cfg.data, cfg.model, pd.resolve_sources(cfg, "train"), StatsSink(), threads)
+    TimedTokenizer(cfg.data, cfg.model, resolve_sources(cfg, "train"), StatsSink(), threads)
     timers.update(encode_s=0.0, python_s=0.0, pack_s=0.0)
     t0, c0 = time.perf_counter(), time.thread_time()
     tokens = 0

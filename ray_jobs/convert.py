@@ -125,7 +125,7 @@ def first_records(table: SourceTable, opts: Any, n: int) -> list[str]:
     """The first ``n`` records of the first file, as the JSON strings the read stage makes of them."""
     from itertools import islice
 
-    from pipelines.sources.datasource import read_all_records
+    from pipelines.sources.read import read_all_records
 
     first = SourceTable(table.files[:1], table.datasets, table.storage)
     return [rec for _, rec in islice(read_all_records(first, opts), n)]
@@ -152,7 +152,7 @@ def rows_per_part(records: list[str], size_limit: int, unit_records: int | None 
     Example: records of 1,800 bytes, ``--size-limit 64mb`` -> 74,566 rows a part (``4mb``: 4,661); in
     units of 4,096 records, 19.
     """
-    from pipelines.sources.datasource import MAX_UNIT_BYTES
+    from pipelines.sources.read import MAX_UNIT_BYTES
 
     if not records:
         return None
@@ -203,17 +203,12 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
     from pipelines.mds.writer import MDSDatasink, parse_size
-    from pipelines.sources.datasource import ReadOptions, ShardDatasource
+    from pipelines.sources.datasource import ShardDatasource
+    from pipelines.sources.read import ReadOptions
     from pipelines.stats import StatsSink, format_report, stats_sink
-    from pipelines.stream.dataset import (
-        STORED_SCHEMA,
-        TokenizeToStore,
-        read_task_args,
-        stored_columns,
-        tokenizer_in_read_tasks,
-        tokenizer_stage,
-    )
+    from pipelines.stream.dataset import read_task_args, tokenizer_in_read_tasks, tokenizer_stage
     from pipelines.stream.spec import build_spec
+    from pipelines.stream.stages import STORED_SCHEMA, TokenizeToStore, stored_columns
     from pipelines.stream.units import READ_BLOCK_BYTES
 
     t0 = time.perf_counter()
@@ -294,7 +289,7 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from pipelines.mds.index import MDSError
-    from pipelines.sources.datasource import BadRecordError
+    from pipelines.sources.read import BadRecordError
 
     try:
         init_ray()

@@ -13,10 +13,11 @@ import json
 import pytest
 from conftest import GPT2, SMOLLM2, make_config, needs_shared, write_jsonl
 
-from pipelines.sources.datasource import BadRecordError
 from pipelines.sources.listing import SourceError, split_sample_id
+from pipelines.sources.read import BadRecordError
 from pipelines.stats import StatsSink
-from pipelines.stream.dataset import build_dataset, data_report, iter_packed_local
+from pipelines.stream.dataset import build_dataset, data_report
+from pipelines.stream.stages import iter_packed_local
 
 pytestmark = needs_shared
 

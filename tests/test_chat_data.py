@@ -23,8 +23,8 @@ import pytest
 from chat_families import FAMILIES, agent_trace, control_strings, family_tokenizer
 from conftest import SMOLLM2, make_config, needs_shared, trained_runs, write_jsonl
 
-from pipelines.sources.datasource import ReadOptions, read_files
 from pipelines.sources.listing import resolve_sources
+from pipelines.sources.read import ReadOptions, read_files
 from pipelines.stats import StatsSink
 from pipelines.tokenize.stage import IGNORE_INDEX, Tokenizer
 

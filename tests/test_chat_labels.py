@@ -17,9 +17,9 @@ from conftest import GLAIVE, SMOLLM2, make_config, needs_shared, trained_runs, w
 
 from pipelines.errors import RecordError
 from pipelines.sources.chat_template import tools_system_text
-from pipelines.sources.datasource import ReadOptions, read_files
 from pipelines.sources.formats import make_formatter
 from pipelines.sources.listing import resolve_sources
+from pipelines.sources.read import ReadOptions, read_files
 from pipelines.stats import StatsSink
 from pipelines.tokenize.stage import IGNORE_INDEX, Tokenizer
 

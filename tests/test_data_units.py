@@ -12,9 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipelines.config import ConfigError, config_from_dict
-from pipelines.sources.datasource import ReadOptions, group_files, in_eval_split, read_files
+from pipelines.sources.datasource import group_files
 from pipelines.sources.formats import ALPACA_PROMPT_NO_INPUT, Formatted, make_formatter
 from pipelines.sources.listing import SourceFile, make_sample_id, resolve_sources, split_sample_id
+from pipelines.sources.read import ReadOptions, in_eval_split, read_files
 from pipelines.stats import Counts, StatsSink
 from pipelines.stream.packing import PackOptions, Samples, best_fit_decreasing, concat_rows, pack_samples
 from pipelines.tokenize.stage import IGNORE_INDEX, Tokenizer

@@ -17,8 +17,8 @@ from conftest import ALPACA, C4, GLAIVE, GPT2, LIMA, SHAKESPEARE, SMOLLM2, make_
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipelines.sources.datasource import ReadOptions, read_files
 from pipelines.sources.listing import resolve_sources
+from pipelines.sources.read import ReadOptions, read_files
 from pipelines.stats import StatsSink
 from pipelines.tokenize.labels import ByteSpans, span_labels
 from pipelines.tokenize.stage import IGNORE_INDEX, Tokenizer

@@ -30,11 +30,12 @@ from mosaic_venv import mosaic_read
 
 from pipelines.mds.index import MDSError
 from pipelines.mds.writer import MDSDatasink
-from pipelines.sources.datasource import ReadOptions, read_all_records
 from pipelines.sources.listing import resolve_sources, split_sample_id
+from pipelines.sources.read import ReadOptions, read_all_records
 from pipelines.stats import StatsSink
 from pipelines.storage import StorageOptions
-from pipelines.stream.dataset import all_pretokenized, build_dataset, data_report, iter_packed_local
+from pipelines.stream.dataset import build_dataset, data_report
+from pipelines.stream.stages import all_pretokenized, iter_packed_local
 from pipelines.tokenize.stage import IGNORE_INDEX
 from pipelines.tokenize.tokenizer import tokenizer_sha256
 
@@ -214,7 +215,8 @@ def test_pretokenized_sets_pack_inside_the_read_tasks(ray_local, tmp_path, gpt2,
     import ray
 
     from pipelines.stream import dataset
-    from pipelines.stream.dataset import CheckAndPack, id_read_tasks
+    from pipelines.stream.dataset import id_read_tasks
+    from pipelines.stream.stages import CheckAndPack
 
     index = json.loads((root / "index.json").read_text())
     raw = sum(shard["raw_data"]["bytes"] for shard in index["shards"])  # the shards' bytes, uncompressed
@@ -272,7 +274,7 @@ def test_id_columns_give_exactly_the_rows_and_counts_of_json_records(tmp_path, g
     """A pre-tokenized set is read as Arrow id columns and checked in one vectorised pass; the JSON-record
     path it replaced (still used for mixed sets) must give the same rows, the same counters and the same
     messages for every bad sample, on real text tokenized with GPT-2."""
-    import pipelines.stream.dataset as dataset_mod
+    import pipelines.stream.stages as stages_mod
 
     texts = [json.loads(line)["text"] for line in C4.read_text().splitlines()[:120]]
     root = mds_write(tmp_path / "labelled", _labelled_samples(gpt2, texts), "zstd", size_limit=1 << 14,
@@ -294,7 +296,7 @@ def test_id_columns_give_exactly_the_rows_and_counts_of_json_records(tmp_path, g
     rows, counts = run()
     assert sum(checked) == len(texts)  # every sample went through the id path
     with monkeypatch.context() as m:  # force the JSON-record path
-        m.setattr(dataset_mod, "all_pretokenized", lambda table, files: False)
+        m.setattr(stages_mod, "all_pretokenized", lambda table, files: False)
         want_rows, want_counts = run()
     assert len(rows) > 20 and rows == want_rows
     assert counts.counters == want_counts.counters and counts.examples == want_counts.examples
@@ -313,13 +315,13 @@ def test_a_resumed_stream_reads_as_its_epoch_did(tmp_path, gpt2, monkeypatch):
     """Id-column units count id bytes, JSON units record text, so which way a stream is read must come
     from its whole epoch: resumed past its last JSONL file, a mixed stream still cuts its MDS units as
     JSON records, and gives exactly the rows the unbroken stream gave from there on."""
-    import pipelines.sources.datasource as datasource_mod
+    import pipelines.sources.read as read_mod
     from pipelines.stream.units import ResumePoint, file_positions, ordered_files
 
     texts = [json.loads(line)["text"] for line in C4.read_text().splitlines()[:80]]
     root = mds_write(tmp_path / "concat", [{"tokens": c} for c in _concat_chunks(gpt2, texts, 200)], "zstd",
                         size_limit=1 << 14, columns={"tokens": "ndarray:int32"})
-    monkeypatch.setattr(datasource_mod, "MAX_UNIT_BYTES", 8000)  # units cut by size: 8 JSON records or 5 id records
+    monkeypatch.setattr(read_mod, "MAX_UNIT_BYTES", 8000)  # units cut by size: 8 JSON records or 5 id records
     for seed in range(50):  # a read order with the JSONL file early, so a resume can start past it
         cfg = make_config([{"path": str(ALPACA), "type": "alpaca"}, {"path": str(root)}], sequence_len=512,
                           shuffle_seed=seed)

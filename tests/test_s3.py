@@ -29,7 +29,8 @@ from pipelines.mds.index import MDSError
 from pipelines.mds.writer import MDSDatasink
 from pipelines.sources.listing import SourceError, resolve_sources, split_sample_id
 from pipelines.storage import StorageError, StorageOptions
-from pipelines.stream.dataset import build_dataset, iter_packed_local
+from pipelines.stream.dataset import build_dataset
+from pipelines.stream.stages import iter_packed_local
 
 pytestmark = needs_shared
 

@@ -17,7 +17,8 @@ import pytest
 from conftest import ALPACA, GPT2, LIMA, RAY_LOCAL_INIT, ROOT, make_config, needs_shared
 
 from pipelines.stats import StatsSink
-from pipelines.stream.dataset import build_dataset, data_report, iter_packed_local, stats_of
+from pipelines.stream.dataset import build_dataset, data_report, stats_of
+from pipelines.stream.stages import iter_packed_local
 
 pytestmark = needs_shared
 

@@ -119,7 +119,7 @@ import os, sys
 os.environ.update(RAYON_NUM_THREADS="7", TOKENIZERS_PARALLELISM="true")
 os.environ.pop("USE_TORCH", None)
 from pipelines.config import config_from_dict
-from pipelines.stream.dataset import tokenizer_env
+from pipelines.stream.stages import tokenizer_env
 from pipelines.sources.listing import resolve_sources
 from pipelines.stats import StatsSink
 from pipelines.tokenize.stage import Tokenizer
@@ -142,7 +142,8 @@ def test_tokenizer_pool_has_no_runtime_env(ray_local, tmp_path):
     (Inside the read tasks: tests/test_tokenizer_placement.py.)"""
     from ray.data._internal.logical.operators.map_operator import MapBatches
 
-    from pipelines.stream.dataset import build_dataset, tokenizer_env
+    from pipelines.stream.dataset import build_dataset
+    from pipelines.stream.stages import tokenizer_env
 
     path = write_jsonl(tmp_path / "a.jsonl", json.loads(ALPACA.read_text(encoding="utf-8"))[:20])
     cfg = make_config([{"path": str(path), "type": "alpaca"}],

@@ -59,14 +59,8 @@ def _read_stage(ds):
 def test_both_placements_give_the_rows_and_counts_of_the_local_path(ray_local, tmp_path):
     """Alpaca and tool-call chats (SmolLM2's chat template: the transformers tokenizer loads in the stage),
     3 files of several units each: the same rows in the same order and the same counters, either way."""
-    from pipelines.stream.dataset import (
-        TokenizeAndPack,
-        build_dataset,
-        data_report,
-        iter_packed_local,
-        read_task_args,
-        tokenizer_env,
-    )
+    from pipelines.stream.dataset import build_dataset, data_report, read_task_args
+    from pipelines.stream.stages import TokenizeAndPack, iter_packed_local, tokenizer_env
 
     alpaca = json.loads(ALPACA.read_text(encoding="utf-8"))
     glaive = json.loads(GLAIVE.read_text(encoding="utf-8"))
@@ -91,7 +85,7 @@ def test_both_placements_give_the_rows_and_counts_of_the_local_path(ray_local, t
             assert _read_stage(ds).stage is TokenizeAndPack
             assert _read_stage(ds).isolated  # the chat template loads transformers: workers of its own
             assert read_task_args(build_spec(cfg).placement, _read_stage(ds)) == {
-                "num_cpus": 0.5, "resources": None, "runtime_env": {"env_vars": tokenizer_env(1)}}
+                "num_cpus": 0.5, "runtime_env": {"env_vars": tokenizer_env(1)}}
         else:
             assert _operators(ds) == ["Operator 1 ReadReadShards", "Operator 2 MapBatches(TokenizeAndPack)"]
             assert _read_stage(ds) is None
@@ -135,7 +129,8 @@ def test_a_tokenizer_without_transformers_runs_in_shared_read_workers(ray_local,
     environment as it was. 3 threads: a value no earlier test sets, so a leak would be visible."""
     import ray
 
-    from pipelines.stream.dataset import TokenizeAndPack, build_dataset, iter_packed_local, read_task_args
+    from pipelines.stream.dataset import build_dataset, read_task_args
+    from pipelines.stream.stages import TokenizeAndPack, iter_packed_local
     from pipelines.tokenize.stage import rust_thread_env
 
     @ray.remote(num_cpus=0.5)
@@ -152,7 +147,7 @@ def test_a_tokenizer_without_transformers_runs_in_shared_read_workers(ray_local,
     stage = _read_stage(ds)
     assert stage.stage is TokenizeAndPack and not stage.isolated
     assert stage.env == rust_thread_env(3) == {"RAYON_NUM_THREADS": "3", "TOKENIZERS_PARALLELISM": "true"}
-    assert read_task_args(build_spec(cfg).placement, stage) == {"num_cpus": 0.5, "resources": None}
+    assert read_task_args(build_spec(cfg).placement, stage) == {"num_cpus": 0.5}
     got = _rows(ds)
     assert got.num_rows > 20 and got.to_pylist() == pa.concat_tables(iter_packed_local(cfg)).select(ROW_COLUMNS).to_pylist()
     after = ray.get([probe.remote() for _ in range(12)])
@@ -165,9 +160,10 @@ for k in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM", "USE_TORCH"):
     os.environ.pop(k, None)
 from tokenizers import Tokenizer as RustTokenizer
 from pipelines.config import config_from_dict
-from pipelines.stream.dataset import _pack_options, _read_options, read_task_stage
+from pipelines.stream.dataset import read_task_stage
+from pipelines.stream.stages import pack_options, read_options
 from pipelines.stream.spec import build_spec
-from pipelines.sources.datasource import read_files
+from pipelines.sources.read import read_files
 from pipelines.stats import StatsSink
 
 tokenizer, data, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -178,11 +174,11 @@ cfg = config_from_dict({"model": {"tokenizer": tokenizer, "init": {}},
 spec = build_spec(cfg)
 table = spec.table
 order = spec.files(0)
-stage = read_task_stage(spec, StatsSink(), _pack_options(cfg.data, 0), token_ids=False)
+stage = read_task_stage(spec, StatsSink(), pack_options(cfg.data, 0), token_ids=False)
 seen = set()
 
 def blocks():
-    for block in read_files([table.files[i] for i in order], _read_options(spec, order), StatsSink()):
+    for block in read_files([table.files[i] for i in order], read_options(spec, order), StatsSink()):
         seen.add((os.environ.get("RAYON_NUM_THREADS"), os.environ.get("TOKENIZERS_PARALLELISM")))
         yield block
 

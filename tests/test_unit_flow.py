@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 from conftest import LIMA, make_config, needs_shared, read_op, write_jsonl
 
-from pipelines.sources.datasource import read_files
+from pipelines.sources.read import read_files
 from pipelines.stats import StatsSink
 from pipelines.stream.units import FIRST_UNIT_BYTES, explode_units
 
@@ -34,13 +34,13 @@ def _cfg(tmp_path, placement: str = "auto"):
 
 @needs_shared
 def test_read_blocks_are_one_row_per_unit_and_first_unit_is_small(tmp_path):
-    from pipelines.stream.dataset import _read_options
     from pipelines.stream.spec import build_spec
+    from pipelines.stream.stages import read_options
 
     cfg = _cfg(tmp_path)
     spec = build_spec(cfg)
     table = spec.table
-    blocks = list(read_files(list(table.files), _read_options(spec, list(range(len(table.files)))), StatsSink()))
+    blocks = list(read_files(list(table.files), read_options(spec, list(range(len(table.files)))), StatsSink()))
     assert all(b.num_rows == 1 for b in blocks)
     sizes = [b.column("unit_records")[0].as_py() for b in blocks]
     n = 1029 * COPIES
@@ -56,7 +56,8 @@ def test_read_blocks_are_one_row_per_unit_and_first_unit_is_small(tmp_path):
 @needs_shared
 @pytest.mark.parametrize("placement", ["actors", "read_tasks"])
 def test_read_operator_emits_one_block_per_unit_and_rows_match_local(ray_local, tmp_path, placement):
-    from pipelines.stream.dataset import build_dataset, iter_packed_local
+    from pipelines.stream.dataset import build_dataset
+    from pipelines.stream.stages import iter_packed_local
 
     cfg = _cfg(tmp_path, placement)
     ds = build_dataset(cfg)
@@ -82,12 +83,13 @@ def _split_and_whole(cfg, order: list[int], parallelism: int, start=None):
     """Blocks and counts of ``read_files`` over the whole ``order``, and of the datasource's read tasks;
     ``start`` (a :class:`~pipelines.stream.dataset.ResumePoint`) resumes both as ``build_dataset`` does."""
     from pipelines.sources.datasource import ShardDatasource
-    from pipelines.stream.dataset import ResumePoint, _read_options
+    from pipelines.stream.dataset import ResumePoint
     from pipelines.stream.spec import build_spec
+    from pipelines.stream.stages import read_options
 
     spec = build_spec(cfg)
     table = spec.table
-    opts = _read_options(spec, order)
+    opts = read_options(spec, order)
     start = start or ResumePoint()
     first, cursor, skip = start.file_pos, start.cursor, start.skip_rows
     files = order[first:]
@@ -154,7 +156,8 @@ def test_feeder_skips_the_empty_block_of_a_read_task_without_units(ray_local, tm
 
     from pipelines.config import config_from_dict
     from pipelines.stream.blocks import chunks_of as _chunks_of
-    from pipelines.stream.dataset import build_dataset, iter_packed_local
+    from pipelines.stream.dataset import build_dataset
+    from pipelines.stream.stages import iter_packed_local
 
     write_jsonl(tmp_path / "part-0.jsonl", [{"text": f"record {i} " + "word " * (3 + i % 5)} for i in range(16)])
     cfg = config_from_dict({
@@ -202,7 +205,8 @@ def test_read_concurrency_follows_the_tokenizer_pool():
 @pytest.mark.slow  # end to end through Ray Data on real data: the full suite runs it, the fast tier does not
 @needs_shared
 def test_capped_reads_give_the_same_rows(ray_local, tmp_path):
-    from pipelines.stream.dataset import build_dataset, iter_packed_local
+    from pipelines.stream.dataset import build_dataset
+    from pipelines.stream.stages import iter_packed_local
 
     records = json.loads(LIMA.read_text(encoding="utf-8"))[:600]
     paths = [write_jsonl(tmp_path / f"part{i}.jsonl", records[i::3]) for i in range(3)]
@@ -225,8 +229,9 @@ def test_read_tasks_that_tokenize_run_in_one_round(ray_local, tmp_path):
     run at once: one task follows another in the same slot only after a scheduling round, with its tokenizer
     pipeline to fill again. A cap set by hand keeps ``read_tasks``; an actor pool keeps them too. The rows are
     the same every way."""
-    from pipelines.stream.dataset import build_dataset, iter_packed_local
+    from pipelines.stream.dataset import build_dataset
     from pipelines.stream.placement import tokenizer_placement
+    from pipelines.stream.stages import iter_packed_local
 
     records = json.loads(LIMA.read_text(encoding="utf-8"))[:600]
     paths = [write_jsonl(tmp_path / f"part{i}.jsonl", records[i::4]) for i in range(4)]

@@ -11,7 +11,7 @@ A JSON list of integers is accepted too (JSONL sources with ``input_ids``).
 
 When every file of a stream is pre-tokenized MDS, records are not JSON at all: the MDS reader yields
 a :class:`TokenRecord` per sample and read blocks hold the ids as Arrow list columns
-(``pipelines.sources.datasource.TOKEN_SCHEMA``).
+(``pipelines.sources.read.TOKEN_SCHEMA``).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class TokenRecord(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        """What the sample adds to its unit's size (see ``pipelines.sources.datasource.read_files``)."""
+        """What the sample adds to its unit's size (see ``pipelines.sources.read.read_files``)."""
         return self.input_ids.nbytes + self.labels.nbytes
 
 

@@ -95,7 +95,7 @@ def id_problems(ids_offsets: np.ndarray, ids: np.ndarray, labels_offsets: np.nda
 
 
 class IdChecker:
-    """``map_batches`` callable for id-column blocks (:data:`pipelines.sources.datasource.TOKEN_SCHEMA`):
+    """``map_batches`` callable for id-column blocks (:data:`pipelines.sources.read.TOKEN_SCHEMA`):
     unit rows -> the tokenizer stage's output (one row per sample, a skipped sample an empty row).
 
     What :class:`pipelines.tokenize.stage.Tokenizer` does for records holding ``input_ids``, without a

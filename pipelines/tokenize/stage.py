@@ -140,9 +140,9 @@ class Tokenizer:
     layout or ``ray_jobs/convert.py --tokenize`` output) skip formatting and tokenization.
 
     Constructor arguments are small: configs, the file table (for error locations) and the stats sink;
-    ``env`` (the actors': :func:`pipelines.stream.dataset.tokenizer_env`) is set in the process before anything
+    ``env`` (the actors': :func:`pipelines.stream.stages.tokenizer_env`) is set in the process before anything
     loads, replacing what it inherited. Without it (in the read tasks: their ``runtime_env`` or
-    :class:`pipelines.stream.dataset.InReadTask` sets it), the thread settings are only defaults.
+    :class:`pipelines.stream.stages.InReadTask` sets it), the thread settings are only defaults.
     """
 
     def __init__(self, data: DataConfig, model: ModelConfig, table: SourceTable, sink: StatsSink, threads: int = 1,
