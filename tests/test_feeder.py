@@ -292,13 +292,15 @@ def test_the_feeder_reads_a_pretokenized_source_without_importing_ray_data(tmp_p
     script = f"""
 import sys
 import ray
-import pipelines.stream.feeder
 from pipelines.config import config_from_dict
+from pipelines.stream.feeder import Feeder
 from pipelines.stream.spec import build_spec
 from pipelines.stream.stages import iter_packed_local
 cfg = config_from_dict({{"model": {{"tokenizer": "{GPT2}"}},
                         "data": {{"datasets": [{{"path": "{root}"}}], "sequence_len": 128}}}})
-tokens = sum(len(ids) for t in iter_packed_local(build_spec(cfg, cpus=1.0)) for ids in t.column("input_ids").to_pylist())
+spec = build_spec(cfg, cpus=1.0)
+assert Feeder(spec, 1, 8, 1).read_here == [True]
+tokens = sum(len(ids) for t in iter_packed_local(spec) for ids in t.column("input_ids").to_pylist())
 print(tokens, sorted(m for m in sys.modules if m == "ray.data" or m.startswith("ray.data."))[:3])
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

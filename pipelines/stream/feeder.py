@@ -135,10 +135,7 @@ class Feeder:
     def __init__(self, spec: StreamSpec, world_size: int, step_rows: int, epochs: int,
                  ledger_root: str | None = None, storage: StorageOptions | None = None,
                  progress_bars: bool = False, prefetch_items: int = 16, given: ray.data.Dataset | None = None) -> None:
-        data_context = ray.data.DataContext.get_current()  # this process's streams
-        data_context.enable_progress_bars = progress_bars
-        data_context.print_on_execution_start = progress_bars  # Ray Data's two lines per epoch
-        self.spec, self.given = spec, given
+        self.spec, self.given, self.progress_bars = spec, given, progress_bars
         self.world, self.step_rows, self.epochs = world_size, step_rows, epochs
         self.state = fresh_state(spec)
         self.ledger = Ledger(*filesystem_for(ledger_root, storage or StorageOptions())) if ledger_root else None
@@ -229,6 +226,9 @@ class Feeder:
         # Ray Data loads where a source is tokenized: a feeder of pre-tokenized sources starts without it
         from pipelines.stream.dataset import source_dataset, stats_of
 
+        data_context = ray.data.DataContext.get_current()  # this process's streams
+        data_context.enable_progress_bars = self.progress_bars
+        data_context.print_on_execution_start = self.progress_bars  # Ray Data's two lines per epoch
         ds = source_dataset(self.spec, i, epoch=point.epoch, start=point)
         self.sinks.append(stats_of(ds))
         return chunks_of(ds), positions

@@ -68,6 +68,7 @@ def read_options(spec: StreamSpec, order: list[int]) -> ReadOptions:
 
 
 def pack_options(data: DataConfig, epoch: int) -> PackOptions:
+    """How an epoch's units are packed (``data.packing`` and its options; the epoch seeds the shuffle)."""
     return PackOptions(data.packing, data.sequence_len, data.oversize, data.shuffle_seed, epoch)
 
 
