@@ -44,7 +44,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # `python ray_jobs/convert.py` from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO_ROOT))
 
-
 from pipelines.config import Config, ConfigError, DataConfig, DatasetConfig, StorageConfig, load_config  # noqa: E402
 from pipelines.sources.listing import SourceError, SourceFile, SourceTable, resolve_dataset  # noqa: E402
 from pipelines.storage import StorageError, StorageOptions  # noqa: E402
@@ -288,8 +287,8 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from pipelines.errors import BadRecordError
     from pipelines.mds.index import MDSError
-    from pipelines.sources.read import BadRecordError
 
     try:
         init_ray()

@@ -99,9 +99,9 @@ def read_task_stage(spec: StreamSpec, sink: StatsSink, pack: PackOptions, token_
     """The packing stage to run inside :func:`build_dataset`'s read tasks, or None where it runs in a tokenizer
     actor pool (:func:`tokenizer_stage`; ``spec.placement.where``).
 
-    Id-column blocks (``token_ids``, see :func:`pipelines.stream.stages.all_pretokenized`) are always checked and packed in the read
-    tasks (:class:`CheckAndPack`); ``data.tokenize`` then places nothing. The read tasks take
-    :func:`read_task_args`: where the tokenizer runs in them, what an actor of the pool would reserve.
+    Id-column blocks (``token_ids``, see :func:`pipelines.stream.stages.all_pretokenized`) are always checked
+    and packed in the read tasks (:class:`CheckAndPack`); ``data.tokenize`` then places nothing. The read tasks
+    take :func:`read_task_args`: where the tokenizer runs in them, what an actor of the pool would reserve.
 
     The tokenizer's environment, where it runs in the read tasks:
 
