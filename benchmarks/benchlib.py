@@ -412,3 +412,23 @@ def md_table(headers: list[str], rows: list[list[Any]]) -> str:
 
 def fmt_rate(v: float | None) -> str:
     return "-" if v is None else f"{v / 1e6:.3f} M"
+
+
+# ----------------------------------------------------------------------------- the opening table
+
+
+def figures(label: str, total_s: float | None, first_s: float | None = None, steady: float | None = None,
+            runs_s: list[float] | None = None) -> dict[str, Any]:
+    """One system's figures for the opening table of BENCHMARKS.md (:func:`headline`): its median ``total_s``,
+    its first batch or row (``first_s``, start-up), its ``steady`` rate after that, and the spread of its runs'
+    totals. Example: ``figures("mosaic", 0.55, 0.10, 28.7e6, [1.24, 0.47, 0.61])``."""
+    runs = [r for r in runs_s or [] if r is not None]
+    return {"label": label, "total_s": total_s, "first_s": first_s, "steady": steady,
+            "spread_s": [min(runs), max(runs)] if runs else None, "runs": len(runs) or 1}
+
+
+def headline(workload: str, unit: str, ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
+    """A row of the opening table: ``ours`` against the best variant of one peer (both :func:`figures`) on the
+    same work, ``unit`` the steady rate's (e.g. ``M tok/s``). The scripts put these rows in their ``RESULT``
+    line under ``headline``; ``benchmarks/run.py`` gathers them into one table."""
+    return {"workload": workload, "unit": unit, "ours": ours, "peer": peer}

@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from benchlib import TreeRSS, wait_quiet  # noqa: E402
+from benchlib import TreeRSS, figures, headline, wait_quiet  # noqa: E402
 
 from pipelines.ray_local import init_local  # noqa: E402
 from pipelines.sources.listing import make_sample_id  # noqa: E402
@@ -354,6 +354,10 @@ def main() -> None:
         out["max_cpu_s_per_m_tokens"] = max(p["cpu_s_per_m_tokens"] for p in per)
         out["split_ratio"] = {str(n): out["per_n"][str(n)]["feeder"]["tokens_per_s"]
                               / out["per_n"][str(n)]["split"]["tokens_per_s"] for n in done}
+        out["headline"] = [headline(f"B8 {n} ranks, delivered tokens (one run)", "M tok/s",
+                                    *(figures(label, p["wall_s"], None, p["tokens_per_s"] / 1e6) for label, p in
+                                      (("the feeder", per_n["feeder"]), ("ds.streaming_split(N)", per_n["split"]))))
+                           for n in done for per_n in [out["per_n"][str(n)]]]
     ray.shutdown()
     print(f"rows {total_rows} x {SEQ} tokens = {total_rows * SEQ / 1e6:.1f} M tokens; each system reads them once per N; "
           f"load average before/after {out['load_avg_before'][0]:.1f}/{out['load_avg_after'][0]:.1f}")

@@ -658,8 +658,33 @@ def main(argv: list[str] | None = None) -> int:
                        convert_vs={k: round(v["total_s"] / results["convert"]["total_s"], 3) for k, v in peers.items()})
         print(f"convert: convert.py --tokenize / the best peer ({labels[best]}) = {conv:.2f}x rows/s "
               f"({conv_wall:.2f}x counting Ray start-up); vs each peer: {summary['convert_vs']}")
+    summary["headline"] = headline_rows(results, labels)
     print("RESULT " + json.dumps(summary))
     return 0
+
+
+HEADLINES = {"local": "B6 raw-text MDS read, local", "s3": "B6 raw-text MDS read, loopback S3",
+             "tok_local": "B6 pre-tokenized MDS read, local", "tok_s3": "B6 pre-tokenized MDS read, loopback S3"}
+
+
+def headline_rows(results: dict[str, dict[str, Any]], labels: dict[str, str]) -> list[dict[str, Any]]:
+    """This run's rows of BENCHMARKS.md's opening table (``benchlib.headline``): each read against mosaic's
+    loader, and the conversion against the faster of its two peers."""
+    from benchlib import figures, headline
+
+    def fig(key: str, rate: bool = True) -> dict[str, Any]:
+        r = results[key]
+        return figures(labels[key], r["total_s"], r.get("ttfb_s"), steady_rate(r) / 1e6 if rate else None,
+                       r.get("runs_s"))
+
+    rows = [headline(title, "M tok/s", fig(f"ours_{w}"), fig(f"mosaic_{w}"))
+            for w, title in HEADLINES.items() if f"ours_{w}" in results and f"mosaic_{w}" in results]
+    peers = [k for k in ("mosaic_procs", "tokenize_loop") if k in results]
+    if "convert" in results and peers:
+        best = min(peers, key=lambda k: results[k]["total_s"])
+        rows.append(headline("B6 convert.py --tokenize, JSONL -> tokenized MDS", "-", fig("convert", rate=False),
+                             fig(best, rate=False)))
+    return rows
 
 
 if __name__ == "__main__":

@@ -155,6 +155,64 @@ def b2_systems(ctx: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return [(label, r or {"error": NA}) for label, r in rows]
 
 
+def b2_headline(ctx: dict[str, Any]) -> list[dict[str, Any]]:
+    """B2's rows of the opening table: ours (default config) against each peer, HF as its faster variant."""
+    ing, b2 = ctx["ingest"], ctx["results"].get("B2", {})
+    ours = ing.get("ours")
+    if not ours or "error" in ours:
+        return []
+
+    def fig(label: str, r: dict[str, Any]) -> dict[str, Any]:
+        steady = r.get("steady_tok_s")
+        return bl.figures(label, r.get("total_s"), r.get("ttfb_s"), steady / 1e6 if steady else None,
+                          [x.get("total_s") for x in r.get("runs") or []])
+
+    hf = ing.get("hf_stream") or {}
+    how = {"hf_stream_tok": "tok(texts)", "hf_stream_fast": "encode_batch_fast"}.get(hf.get("variant", ""))
+    rows = []
+    for key, r in (("hf_stream", hf), *((k, b2.get(k)) for k in ("litdata", "mosaic", "eager"))):
+        if r and "error" not in r and r.get("total_s"):
+            label = PEERS[key] + (f", {how} (its faster variant here)" if key == "hf_stream" and how else "")
+            rows.append(bl.headline("B2 ingest: JSONL -> packed rows", "M tok/s",
+                                    fig("ours: build_dataset, default config", ours), fig(label, r)))
+    return rows
+
+
+def headline_md(ctx: dict[str, Any]) -> str:
+    """The opening table: every workload's ours against the best variant of each peer, from this run alone."""
+    rows = b2_headline(ctx)
+    for key in ("B5", "B6", "B7", "B8"):
+        for parsed in (ctx["results"].get(key) or {}).get("results") or []:
+            rows += parsed.get("headline") or []
+    if not rows:
+        return f"{NA}: no benchmark of this run gave a row"
+
+    def both(row: dict[str, Any], key: str) -> str:
+        a, b = row["ours"].get(key), row["peer"].get(key)
+        return "-" if a is None and b is None else f"{_num(a)} / {_num(b)}"
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return "-" if not a or not b else f"{a / b:.2f}x"
+
+    def spread(f: dict[str, Any]) -> str:
+        lo_hi = f.get("spread_s")
+        return f"{f['runs']} run(s)" + (f", {lo_hi[0]:.2f}-{lo_hi[1]:.2f} s" if lo_hi else "")
+
+    table = [[r["workload"], r["ours"]["label"], r["peer"]["label"], both(r, "first_s"),
+              ratio(r["peer"].get("first_s"), r["ours"].get("first_s")),
+              both(r, "steady") + (f" {r['unit']}" if r["unit"] != "-" and r["ours"].get("steady") else ""),
+              ratio(r["ours"].get("steady"), r["peer"].get("steady")), both(r, "total_s"),
+              ratio(r["peer"].get("total_s"), r["ours"].get("total_s")),
+              f"{spread(r['ours'])}; {spread(r['peer'])}"] for r in rows]
+    return bl.md_table(["workload", "ours", "peer (its best variant)", "first batch or row s, ours / peer",
+                        "first, peer / ours", "steady after it, ours / peer", "steady, ours / peer", "total s, ours / peer",
+                        "total time, peer / ours", "runs and spread of each (ours; peer)"], table)
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+
+
 def best_peer(ctx: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
     ing, b2 = ctx["ingest"], ctx["results"].get("B2", {})
     peers = {"hf_stream": ing.get("hf_stream"), **{k: b2.get(k) for k in ("mosaic", "eager", "litdata")}}
@@ -702,6 +760,14 @@ def write_report(ctx: dict[str, Any], out_md: Path, plots: list[str], plot_rel: 
         "favour are conservative",
         "- CPU s / M tok: user+system CPU of the whole process tree (start-up included) per million tokens "
         "delivered; less sensitive to other load on the machine than wall-clock rates",
+        "",
+        "## At a glance: ours against the best variant of each peer, this run",
+        "",
+        "Medians of this run's interleaved runs (B8: one run per N). Start-up is the first batch or row from the "
+        "clock's start (frameworks' own init excluded: `init` in the sections below); steady is the rate after it. "
+        "Ratios above 1 are ours ahead.",
+        "",
+        headline_md(ctx),
         "",
         "## Targets",
         "",

@@ -113,6 +113,16 @@ def test_quick_feeder_scale_delivers_every_token_to_the_ranks(quick_run):
         assert r["split_ratio"][n] == pytest.approx(per["feeder"]["tokens_per_s"] / per["split"]["tokens_per_s"])
     assert set(r["per_n"]) == {"2", "4"}
     assert "| 4 | feeder |" in md and "| 4 | ds.streaming_split(N) (peer) |" in md
+    # The opening table holds these runs' own figures: B8's at each N, and B2's ours against each peer that ran.
+    glance = md.split("## At a glance", 1)[1].split("\n## ", 1)[0]
+    for n in (2, 4):
+        feeder, split = (r["per_n"][str(n)][k]["tokens_per_s"] / 1e6 for k in ("feeder", "split"))
+        row = f"| B8 {n} ranks, delivered tokens (one run) | the feeder | ds.streaming_split(N) | - | - | {feeder:.3g} / {split:.3g} M tok/s | {feeder / split:.2f}x |"
+        assert row in glance, (row, glance)
+    ours, hf = results["ingest"]["ours"], results["ingest"]["hf_stream"]
+    b2 = [line for line in glance.splitlines() if line.startswith("| B2 ingest: JSONL -> packed rows | ours: build_dataset")]
+    assert len(b2) == 1 + sum("error" not in results["B2"][k] for k in ("litdata", "mosaic", "eager")), glance
+    assert f"| {ours['ttfb_s']:.3g} / {hf['ttfb_s']:.3g} |" in b2[0] and "HF datasets streaming + map" in b2[0], b2[0]
 
 
 def _load_run_module():
