@@ -397,12 +397,15 @@ def versions() -> dict[str, str]:
     return out
 
 
+def fmt_num(v: float | None) -> str:
+    """A table's number: 3 significant digits below 1,000, whole with separators above; ``-`` for none."""
+    return "-" if v is None else f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+
+
 def md_table(headers: list[str], rows: list[list[Any]]) -> str:
     def cell(v: Any) -> str:
-        if v is None:
-            return "-"
-        if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        if v is None or isinstance(v, float):
+            return fmt_num(v)
         return str(v).replace("|", "\\|")
 
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]

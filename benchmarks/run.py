@@ -189,7 +189,7 @@ def headline_md(ctx: dict[str, Any]) -> str:
 
     def both(row: dict[str, Any], key: str) -> str:
         a, b = row["ours"].get(key), row["peer"].get(key)
-        return "-" if a is None and b is None else f"{_num(a)} / {_num(b)}"
+        return "-" if a is None and b is None else f"{bl.fmt_num(a)} / {bl.fmt_num(b)}"
 
     def ratio(a: float | None, b: float | None) -> str:
         return "-" if not a or not b else f"{a / b:.2f}x"
@@ -207,10 +207,6 @@ def headline_md(ctx: dict[str, Any]) -> str:
     return bl.md_table(["workload", "ours", "peer (its best variant)", "first batch or row s, ours / peer",
                         "first, peer / ours", "steady after it, ours / peer", "steady, ours / peer", "total s, ours / peer",
                         "total time, peer / ours", "runs and spread of each (ours; peer)"], table)
-
-
-def _num(v: float | None) -> str:
-    return "-" if v is None else f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
 
 
 def best_peer(ctx: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
@@ -763,7 +759,7 @@ def write_report(ctx: dict[str, Any], out_md: Path, plots: list[str], plot_rel: 
         "",
         "## At a glance: ours against the best variant of each peer, this run",
         "",
-        "Medians of this run's interleaved runs (B8: one run per N). Start-up is the first batch or row from the "
+        "Medians of this run's repeats (B8: one run per N). Start-up is the first batch or row from the "
         "clock's start (frameworks' own init excluded: `init` in the sections below); steady is the rate after it. "
         "Ratios above 1 are ours ahead.",
         "",
