@@ -206,6 +206,7 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
     from pipelines.sources.read import ReadOptions
     from pipelines.stats import StatsSink, format_report, stats_sink
     from pipelines.stream.dataset import read_task_args, tokenizer_in_read_tasks, tokenizer_stage
+    from pipelines.stream.placement import tokenizer_threads
     from pipelines.stream.spec import build_spec
     from pipelines.stream.stages import STORED_SCHEMA, TokenizeToStore, stored_columns
     from pipelines.stream.units import READ_BLOCK_BYTES
@@ -244,7 +245,7 @@ def convert(args: argparse.Namespace) -> dict[str, Any]:
         # Read, tokenize and write in one task per group of files, `tasks` at once, as mosaic's Pool does: no
         # block crosses the object store, and each task writes its own part (Ray Data fuses the write into the
         # read tasks, as their remote arguments and concurrency are the same).
-        threads = int(tok.threads) if tok.threads != "auto" else max(1, math.floor(spec.placement.cpus / tasks))
+        threads = tokenizer_threads(tok, tasks, spec.placement.cpus)  # auto: the CPUs per task
         stage = tokenizer_in_read_tasks(TokenizeToStore, {"data": cfg.data, "model": cfg.model, "table": table,
                                                           "sink": sink_stats}, threads)
         write_args = read_task_args(spec.placement, stage)
