@@ -1,6 +1,6 @@
 """All benchmarks (issue 5), side by side on the same cores, data and tokenizer; writes BENCHMARKS.md + plots.
 
-    .venv/bin/python benchmarks/run.py                 # full: ~50 min on 2 cores; BENCHMARKS.md, benchmarks/results/
+    .venv/bin/python benchmarks/run.py                 # full: ~55 min on 2 cores (86 with --records 199800); BENCHMARKS.md, benchmarks/results/
     .venv/bin/python benchmarks/run.py --quick         # tiny data, 1 repeat, < 3 min; writes to a temp dir
     .venv/bin/python benchmarks/run.py --quick --out DIR
 
@@ -221,12 +221,6 @@ def best_peer(ctx: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
     return PEERS[k], ok[k]
 
 
-def _b3_source(ctx: dict[str, Any], system: str | None) -> dict[str, Any] | None:
-    """The B2 result that B3 reused as its largest point for ``system`` (the marginal rate belongs to it)."""
-    ing, b2 = ctx["ingest"], ctx["results"].get("B2", {})
-    return {"ours": ing.get("ours"), "hf_stream": ing.get("hf_stream"), "eager": b2.get("eager")}.get(system or "")
-
-
 def _note(r: dict[str, Any]) -> str:
     if r.get("system") == "eager":
         return "nothing streams: steady = whole pass"
@@ -238,21 +232,18 @@ def _note(r: dict[str, Any]) -> str:
 def b2_md(ctx: dict[str, Any]) -> str:
     ceiling = ctx["ingest"].get("raw 2t")
     peer_label, peer = best_peer(ctx)
-    marginal = (ctx["results"].get("B3") or {}).get("marginal", {})
     rows = []
     for label, r in b2_systems(ctx):
         if "error" in r:
-            rows.append([label, NA, *["-"] * 11, r["error"][:160]])
+            rows.append([label, NA, *["-"] * 10, r["error"][:160]])
             continue
-        m = marginal.get(r.get("system", "")) if r is _b3_source(ctx, r.get("system")) else None
-        rows.append([label, ingest.steady_text(r, ceiling), bl.fmt_rate(r.get("e2e_tok_s")), bl.fmt_rate(m),
+        rows.append([label, ingest.steady_text(r, ceiling), bl.fmt_rate(r.get("e2e_tok_s")),
                      ingest.ratio(r, ceiling), ingest.ratio(r, ceiling, "e2e_tok_s"), ingest.ratio(r, peer),
                      r.get("init_s"), r.get("ttfb_s"), r.get("cold_ttfb_s"), r.get("peak_rss_mb"),
                      r.get("cpu_s_per_mtok"), r.get("repeats", 1), _note(r)])
-    table = bl.md_table(["system", "steady tok/s (after 1st row)", "end-to-end tok/s", "marginal tok/s (B3 slope)",
-                         "x B1 2t (steady)", "x B1 2t (e2e)", "x best peer (steady)", "init s",
-                         "first row s (after init)", "first row s (from process start)",
-                         "peak RSS MB", "CPU s / M tok", "repeats", "note"], rows)
+    table = bl.md_table(["system", "steady tok/s (after 1st row)", "end-to-end tok/s", "x B1 2t (steady)",
+                         "x B1 2t (e2e)", "x best peer (steady)", "init s", "first row s (after init)",
+                         "first row s (from process start)", "peak RSS MB", "CPU s / M tok", "repeats", "note"], rows)
     return table + f"\n\nBest peer (steady state): {peer_label or NA}."
 
 
@@ -308,28 +299,9 @@ def run_b3(ctx: dict[str, Any]) -> dict[str, Any]:
                                                                                      else {})}, **kw),
             }
         out["points"][str(n)] = {"mb": mb, **{k: v or {"error": NA} for k, v in point.items()}}
-    out["marginal"] = marginal_rates(out)
     # What a tokenizer actor pays before its first batch: imports + tokenizer load, in a fresh process.
     for label, env in (("as configured", {}), ("USE_TORCH=0", {"USE_TORCH": "0", "USE_TF": "0", "USE_FLAX": "0"})):
         out.setdefault("actor_start", {})[label] = bl.run_system("load", {"tokenizer": str(bl.GPT2)}, env=env, **kw)
-    return out
-
-
-def marginal_rates(b3: dict[str, Any]) -> dict[str, float]:
-    """Steady-state rate as the slope between the two largest sizes: extra tokens / extra seconds.
-
-    Fixed costs (imports, actor start-up, first-unit latency) cancel out, and so does a burst of rows
-    after a late first row, which makes "after the first row" rates unreliable on small data.
-    """
-    out = {}
-    a, b = (b3["points"][str(n)] for n in b3["sizes"][-2:])
-    for key in B3_LABELS:
-        ra, rb = a.get(key) or {}, b.get(key) or {}
-        if "error" in ra or "error" in rb or not ra.get("total_s") or not rb.get("total_s"):
-            continue
-        dt_s, dtok = rb["total_s"] - ra["total_s"], rb["tokens"] - ra["tokens"]
-        if dt_s > 0 and dtok > 0:
-            out[key] = dtok / dt_s
     return out
 
 
@@ -367,9 +339,7 @@ def b3_md(b3: dict[str, Any]) -> str:
                   "peers pay it once, before their clock starts):\n\n" + bl.md_table(
                       ["environment", "import pipelines.tokenize.stage s", "import transformers s", "AutoTokenizer.from_pretrained s",
                        "tokenizers.Tokenizer.from_file alone s", "torch imported", ""], load_rows))
-    marg = b3.get("marginal", {})
-    text = ", ".join(f"{B3_LABELS[k]} {bl.fmt_rate(v)} tok/s" for k, v in marg.items())
-    return table + f"\n\nMarginal rate between the two largest sizes (extra tokens / extra seconds): {text or NA}."
+    return table
 
 
 # --------------------------------------------------------------------------- B5-B7 (external scripts)
@@ -588,7 +558,7 @@ def target_rows(ctx: dict[str, Any]) -> list[list[str]]:
             text = f"steady {st:.2f}x{' (burst)' if b else ''}, end to end {e2e:.2f}x" if st and e2e else NA
             ok = bool(st and st >= target) and not b
             rows.append(["B2", f"ours ({tag}) steady >= {target}x {what}", text,
-                         "burst: see marginal rate" if b and st else status(st, ok)])
+                         "burst: see end to end" if b and st else status(st, ok)])
         if tag == "default config":
             cpu, hf = r.get("cpu_s_per_mtok"), (ing.get("hf_stream") or {}).get("cpu_s_per_mtok")
             rows.append(["B2", "ours CPU-s per M tokens (whole process tree) <= HF streaming's (issue 10)",
@@ -598,16 +568,6 @@ def target_rows(ctx: dict[str, Any]) -> list[list[str]]:
             rows.append(["B2", "first packed row <= ray.init + 2 s (issue 2)",
                          f"{t:.2f} s after ray.init ({r.get('init_s', 0):.2f} s)" if t is not None else NA,
                          status(t, t is not None and t <= 2.0)])
-    marginal = (res.get("B3") or {}).get("marginal", {})
-    if "ours" in marginal:
-        m, mh = marginal["ours"], marginal.get("hf_stream")
-        c = ceiling["steady_tok_s"] if ceiling and "error" not in ceiling else None
-        rows.append(["B2/B3", "ours marginal rate (B3 slope between the two largest sizes: start-up excluded) "
-                     ">= 1.0x HF streaming's",
-                     f"{m / mh:.2f}x ({bl.fmt_rate(m)} vs {bl.fmt_rate(mh)} tok/s)" if mh else NA,
-                     status(mh, bool(mh and m / mh >= 1.0))])
-        rows.append(["B2/B3", "ours marginal rate >= 0.8x B1 ceiling at 2 threads",
-                     f"{m / c:.2f}x" if c else NA, status(c, bool(c and m / c >= 0.8))])
     b3 = res.get("B3")
     if b3 and "points" in b3:
         s = b3["sizes"]
@@ -692,7 +652,7 @@ def _b5_rows(r: dict[str, Any]) -> list[list[str]]:
 
 
 def notes(ctx: dict[str, Any]) -> list[str]:
-    """Known causes behind the numbers, filled in from this run (edit freely after a full run)."""
+    """Known causes behind the numbers, filled in from this run (hand-written analysis: docs/benchmark_analysis.md)."""
     ours = ctx["ingest"].get("ours") or {}
     if not ours or "error" in ours:
         return []
@@ -712,8 +672,7 @@ def notes(ctx: dict[str, Any]) -> list[str]:
                    "`ray.init`, before any data (GCS, raylet, agents, idle workers); see `RSS after init` in B3.")
     if ingest.burst(ours, ctx["ingest"].get("raw 2t")):
         out.append("- ours' steady rate after the first row is above the tokenizer's own ceiling: the rows came in a "
-                   "burst after a late first row, so it is not a steady state; the marginal rate (B3 slope) is the "
-                   "start-up-free number.")
+                   "burst after a late first row, so it is not a steady state; compare the end-to-end rate.")
     return out + [""]
 
 
@@ -728,9 +687,13 @@ def write_report(ctx: dict[str, Any], out_md: Path, plots: list[str], plot_rel: 
         *(["> DRAFT from `--quick` (tiny data, one repeat, possibly a busy machine): a smoke test of the tables, "
            f"not numbers to quote. The real ones come from `{FULL_CMD}` on a quiet machine.", ""] if ctx["quick"] else []),
         f"Produced by: `{ctx['command']}` ({mode}); the numbers below are from that one run.",
-        f"Full run: `{FULL_CMD}` (25-50 min on 2 cores, by host: 25.5 min on 2026-12-03 (Intel Xeon), 38.7 min on 2026-12-04 (AMD EPYC), B6 alone 13-25 min; rewrites this file and `benchmarks/results/*.png`). "
-        "Smoke test: `.venv/bin/python benchmarks/run.py --quick` (< 3 min, writes to a temp dir). "
-        "Issue 2's stand-alone ingest table: `.venv/bin/python benchmarks/ingest.py`.",
+        f"Full run: `{FULL_CMD}` (rewrites everything above the kept sections of this file, "
+        "`benchmarks/results/*.png` and `results.json`). Smoke test: `.venv/bin/python benchmarks/run.py --quick` "
+        "(< 3 min, writes to a temp dir). Issue 2's stand-alone ingest table: `.venv/bin/python benchmarks/ingest.py`.",
+        "",
+        "The gaps, their measured bounds and what would remove them are written by hand in "
+        "[docs/benchmark_analysis.md](docs/benchmark_analysis.md), which no run rewrites; earlier runs' notes are in "
+        "[docs/benchmark_history.md](docs/benchmark_history.md).",
         "",
         f"- date: {ctx['started']} (run took {ctx['elapsed'] / 60:.1f} min)",
         f"- commit: {ctx['git']['commit']}" + (f" with uncommitted changes to {', '.join(ctx['git']['dirty'])}"
@@ -769,7 +732,7 @@ def write_report(ctx: dict[str, Any], out_md: Path, plots: list[str], plot_rel: 
         "",
         bl.md_table(["id", "target", "measured", "status"], target_rows(ctx)),
         "",
-        "A MISSED target keeps its number here; the gap and its cause belong next to it (edit after a full run).",
+        "A MISSED target keeps its number here; its bound and cause are in docs/benchmark_analysis.md.",
         "",
         *notes(ctx),
         "## B1 tokenizer ceiling: `encode_batch_fast` alone (ids without offsets, the call ours makes for byte-level BPE)",

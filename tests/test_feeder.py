@@ -349,3 +349,26 @@ def test_a_pretokenized_source_is_read_in_the_feeder_as_its_dataset_reads_it_and
     ray.get(second.commit.remote(last))
     counts = sample_counts(Ledger(pafs.LocalFileSystem(), root).entries(0))
     assert len(counts) == len(samples) + 300 and set(counts.values()) == {1}
+
+
+def test_a_given_dataset_streams_with_ray_data_progress_bars_as_run_progress_bars_says(tmp_path, ray_local):
+    """``run.progress_bars`` (off by default) holds for a dataset handed to the trainer as for the files the
+    feeder reads: the feeder's process runs the given dataset's stream with Ray Data's bars and its
+    execution-start lines off, or on when asked."""
+    from pipelines.stream.feeder import Feeder
+    from pipelines.stream.spec import given_spec
+    from pipelines.train.step import synthetic_rows
+
+    cfg = _config(tmp_path)
+    rows = [{k: np.asarray(v).tolist() for k, v in r.items()} for r in synthetic_rows(4, 32, 100)]
+    ctx = ray.data.DataContext.get_current()
+    before = (ctx.enable_progress_bars, ctx.print_on_execution_start)
+    try:
+        for asked in (False, True):
+            ctx.enable_progress_bars = ctx.print_on_execution_start = not asked
+            feeder = Feeder(given_spec(cfg), 1, 2, 1, progress_bars=asked, given=ray.data.from_items(rows))
+            first = feeder.get(0, 0)
+            assert first[0].kind == "step" and first[0].num_rows == 2
+            assert (ctx.enable_progress_bars, ctx.print_on_execution_start) == (asked, asked)
+    finally:
+        ctx.enable_progress_bars, ctx.print_on_execution_start = before

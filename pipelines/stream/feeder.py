@@ -217,6 +217,7 @@ class Feeder:
         """Chunks of source ``i`` from ``state.point``, and its files' read positions."""
         point = state.point
         if self.given is not None:
+            self._ray_data_context()
             return _rows_from(chunks_of(_with_list_columns(self.given)), point.row), {0: 0}
         positions = self.spec.file_positions(point.epoch, i)
         if self.read_here[i]:
@@ -226,12 +227,16 @@ class Feeder:
         # Ray Data loads where a source is tokenized: a feeder of pre-tokenized sources starts without it
         from pipelines.stream.dataset import source_dataset, stats_of
 
-        data_context = ray.data.DataContext.get_current()  # this process's streams
-        data_context.enable_progress_bars = self.progress_bars
-        data_context.print_on_execution_start = self.progress_bars  # Ray Data's two lines per epoch
+        self._ray_data_context()
         ds = source_dataset(self.spec, i, epoch=point.epoch, start=point)
         self.sinks.append(stats_of(ds))
         return chunks_of(ds), positions
+
+    def _ray_data_context(self) -> None:
+        """``run.progress_bars`` for the Ray Data streams this process runs (a given dataset's too)."""
+        data_context = ray.data.DataContext.get_current()
+        data_context.enable_progress_bars = self.progress_bars
+        data_context.print_on_execution_start = self.progress_bars  # Ray Data's two lines per epoch
 
     def _mixer(self, epoch: int, states: list[SourceState]) -> Mixer:
         return Mixer([s.weight for s in self.spec.sources], self.spec.mix_by, self.spec.data.mix_exhausted,
