@@ -7,6 +7,10 @@ from typing import Any
 
 import ray
 
+# A rank fetches Ray Data's blocks; in a process where Ray Data was never imported, fetching them cost about
+# 4x the CPU at 64 ranks (docs/benchmark_analysis.md, B8). Ray Train's workers import it; bare actors did not.
+import ray.data  # noqa: F401
+
 from pipelines.stream.blocks import BlockColumns, RankItem, fetch_blocks
 
 __all__ = ["FeederClient"]
