@@ -388,12 +388,20 @@ LIBRARIES = ("ray", "tokenizers", "transformers", "datasets", "mosaicml-streamin
 
 
 def versions() -> dict[str, str]:
+    """The version of each library in :data:`LIBRARIES`; mosaicml-streaming's from the venv its peers run in
+    (:func:`mosaic_python`, which this does not make) when it is not installed here."""
     out = {}
     for lib in LIBRARIES:
         try:
             out[lib] = metadata.version(lib)
         except metadata.PackageNotFoundError:
             out[lib] = "not installed"
+    if out["mosaicml-streaming"] == "not installed":
+        python = Path(os.environ.get("PIPELINES_MOSAIC_PYTHON") or ROOT / ".venv-mosaic" / "bin" / "python")
+        probe = "import importlib.metadata as m; print(m.version('mosaicml-streaming'))"
+        proc = subprocess.run([str(python), "-c", probe], capture_output=True, text=True) if python.exists() else None
+        if proc is not None and proc.returncode == 0:
+            out["mosaicml-streaming"] = f"{proc.stdout.strip()} ({python.parent.parent.name})"
     return out
 
 

@@ -2,55 +2,32 @@
 
 One child process (tests/node_loss_cluster.py) starts a Ray cluster (a head, a CPU-only tokenizer node and
 two training nodes, all raylets on 127.0.0.1) and runs every scenario on it, one after another, replacing
-the nodes each lost; each test reads its scenario's outcome, metrics and ledger here. All train the tiny
-Llama of tests/test_exactly_once_train.py on its 600 samples.
+the nodes each lost; it runs last, alone (``node_loss_runs`` in conftest.py), and each test here reads its
+scenario's outcome, metrics and ledger. All train the tiny Llama of tests/test_exactly_once_train.py on its
+600 samples.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import NodeLossRuns
 from test_exactly_once_train import _assert_exactly_once, _ledger
 
 from pipelines.stream.ledger import sample_counts
 
-ROOT = Path(__file__).resolve().parents[1]
-# recover first: its losses are the elastic run's reference.
-SCENARIOS = ["recover", "elastic", "preempt", "fail", "min_workers"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
-@pytest.fixture(scope="module")
-def cluster_runs(tmp_path_factory) -> tuple[Path, dict[str, dict], str]:
-    """Every scenario, one after another on one loopback cluster (its start is paid once): the tmp dir, each
-    scenario's ``NODE_LOSS`` result, and the child's output."""
-    tmp = tmp_path_factory.mktemp("nodeloss")
-    env = {**os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "node_loss_cluster.py"), str(tmp), ",".join(SCENARIOS)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1700)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("NODE_LOSS "):
-            res = json.loads(line.removeprefix("NODE_LOSS "))
-            results[res["scenario"]] = res
-    return tmp, results, out
-
-
 @pytest.fixture
-def run(cluster_runs):
+def run(node_loss_runs: NodeLossRuns):
     """``run(scenario)``: that scenario's result, its chaos plan carried out."""
-    tmp, results, out = cluster_runs
 
     def get(scenario: str) -> dict:
-        assert scenario in results, out[-4000:]
-        res = results[scenario]
+        assert scenario in node_loss_runs.results, node_loss_runs.output[-4000:]
+        res = node_loss_runs.results[scenario]
         assert res["chaos_error"] is None, res["chaos_error"]
         return res
 
@@ -58,8 +35,8 @@ def run(cluster_runs):
 
 
 @pytest.fixture
-def tmp(cluster_runs) -> Path:
-    return cluster_runs[0]
+def tmp(node_loss_runs: NodeLossRuns) -> Path:
+    return node_loss_runs.tmp
 
 
 def _metrics(tmp: Path, name: str) -> list[dict]:

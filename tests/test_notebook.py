@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
+from conftest import NOTEBOOK, NOTEBOOK_MODULES, NotebookRun
 
 
 def test_committed_without_outputs():
@@ -20,16 +17,11 @@ def test_committed_without_outputs():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_quickstart_executes(tmp_path, monkeypatch):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    pytest.importorskip("matplotlib")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    monkeypatch.setenv("QUICKSTART_STEPS", "12")
-    monkeypatch.setenv("QUICKSTART_STORAGE", str(tmp_path / "runs"))
-    monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend renders the plots
-    client = nbclient.NotebookClient(nb, timeout=800, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}})
-    client.execute()
+def test_quickstart_executes(notebook_run: NotebookRun):
+    """Run beside the other tests (``notebook_run`` in conftest.py): 12 steps, then LoRA."""
+    if notebook_run.nb is None:
+        pytest.skip(f"the notebook needs {', '.join(NOTEBOOK_MODULES)}")
+    nb, tmp_path = notebook_run.nb, notebook_run.tmp
     text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert "rows; columns:" in text and "loss " in text and "->" in text
     assert "parameters trained" in text and "adapter_model.safetensors" in text  # the LoRA cells
