@@ -26,7 +26,8 @@ import pytest
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 # Ray Train's controller polls its workers every 2 s by default: it notices a finished run, a failed worker and
 # a started group that late, ~5 s of every test fit's 22 s on 2 cores. A quarter second here (the tests' runs
-# are seconds long, a real run's are hours); every Ray the tests start reads it from this environment.
+# are seconds long, a real run's are hours); every Ray the tests start reads it from this environment, except
+# the node-loss cluster's, which keeps Ray's default (tests/node_loss_cluster.py says why).
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 
 ROOT = Path(__file__).resolve().parents[1]
