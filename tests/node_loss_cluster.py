@@ -68,6 +68,13 @@ TRAIN_NODE = {"num_cpus": 1, "resources": {"train_node": 1}}
 # amplifies that rounding noise step by step: over this run's 32 steps the largest relative loss difference to
 # the uninterrupted run was 4.3e-5 at 3e-4, 9.6e-5 at 1e-3 and 2.0e-3 at 3e-3 (measured on this tiny model).
 LOSS_CURVE_LR = 3e-4
+# Seconds every rank waits after each step (PIPELINES_FAULTS "slow:", pipelines.train.faults): a step of the tiny
+# model takes ~0.1 s, so the 32 steps would end before the chaos has acted. Each scenario's must outlast what
+# it waits for: the elastic group's growth back (the added node is seen by Ray Train within ~20-35 s) with its
+# 1-worker group's ~26 steps; the preemption notice (polled every 2 s) after step 3; a kill after checkpoint 4.
+# The benchmark's clock policy (every 0.1 minutes) is then about every 4 steps.
+SLOW_S = {"elastic": 2.0, "bench_steps": 1.5, "bench_minutes": 1.5}
+SLOW_DEFAULT_S = 0.5
 # A spot reclaim's notice, as the preStop hook of cluster/kuberay/rayjob-elastic.yaml gives it.
 DRAIN_ARGS = ["--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim (SIGTERM)",
               "--deadline-remaining-seconds", "60"]
@@ -251,7 +258,7 @@ def _scenario_config(tmp: Path, name: str, scenario: str):
     cfg = _config(tmp, name, workers, max_failures=3 if scenario == "recover" else -1, deepspeed="zero2",
                   checkpoint_every_steps=None if scenario == "preempt" else 2, learning_rate=LOSS_CURVE_LR, **placed)
     cfg.scaling.resize_check_s = 2.0
-    cfg.scaling.min_workers_timeout_s = 45.0
+    cfg.scaling.min_workers_timeout_s = 30.0  # longer than a restart's wait for its placement (15 s, below)
     cfg.run.checkpoint_upload = "async"  # as configs/llama3-8b-sft-elastic.yaml: faults land during uploads too
     return cfg
 
@@ -278,10 +285,12 @@ def run_scenario(cluster: Cluster, nodes: dict[str, object], tmp: Path, scenario
     cfg = _scenario_config(tmp, name, scenario)
     # A replacement node takes ~30 s to join on a busy 2-core machine: wait for it, not Ray's 60 s. An elastic
     # run's first restart after a node loss tries the old size (Ray's view of the cluster is refreshed every
-    # 20 s) and waits this long before it restarts with the workers that can be placed: 30 s here. Read by
-    # Ray Train from the driver's environment when the fit starts.
+    # 20 s) and waits this long for its placement before it restarts with the workers that can be placed:
+    # 15 s in the tests (a free node's placement takes well under a second), 30 s in the benchmark (its
+    # recorded times). Read by Ray Train from the driver's environment when the fit starts.
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = _START_TIMEOUT or (
-        "300" if scenario in ("recover", "fail") else "30")
+        "300" if scenario in ("recover", "fail") else "30" if scenario.startswith("bench_") else "15")
+    os.environ["PIPELINES_FAULTS"] = f"slow:{SLOW_S.get(scenario, SLOW_DEFAULT_S)}"  # read when the fit starts
     from pipelines.train.trainer import build_trainer
 
     outcome = {"ok": False, "error": None, "error_type": None}

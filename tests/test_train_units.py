@@ -59,3 +59,60 @@ def test_latest_checkpoint_in_run_dir(tmp_path):
     with pytest.raises(FileNotFoundError, match="run.resume"):
         latest_in_run_dir(str(tmp_path / "model"))
     assert TrainerState.from_dict({"step": 3, "unknown": 1}).step == 3
+
+
+def test_the_loop_reports_to_ray_train_only_with_its_checkpoints(monkeypatch, tmp_path):
+    """Ray Train drains a worker's reports one per controller poll (2 s by default), so a report of metrics
+    every log step made each step wait for that poll. The loop reports only its checkpoints (what Ray Train
+    keeps): with a log line every step, 8 steps with a checkpoint every 4 are 2 reports, none between."""
+    from types import SimpleNamespace
+
+    import ray.train
+
+    import pipelines.train.loop as loop
+    from pipelines.config import AdapterConfig, config_from_dict
+    from pipelines.train.adapter import ParamCount
+
+    cfg = config_from_dict({"model": {"tokenizer": "demo://tokenizer"},
+                            "data": {"datasets": [{"path": str(tmp_path), "type": "completion"}]},
+                            "train": {"max_steps": 8, "log_every_steps": 1, "checkpoint_every_steps": 4},
+                            "run": {"storage_path": str(tmp_path / "runs"), "name": "r", "export_model": False}})
+    te = SimpleNamespace(rank=0, world_size=1, device=None, collate_fn=lambda: None,
+                         params=ParamCount(10, 10), adapter=AdapterConfig())
+    feed = SimpleNamespace(commit=lambda: {}, telemetry=dict, report=lambda: {"counters": {}})
+    reports, checkpoints = [], []
+    monkeypatch.setattr(ray.train, "report", lambda *a, **kw: reports.append(kw))
+    monkeypatch.setattr(ray.train, "get_preemption_info", lambda: None)
+    monkeypatch.setattr(loop, "train_step", lambda te, source: _stats(1.0, 5, 10, 1, 0.0, 0.01))
+
+    def report_checkpoint(te, state, metrics, upload):
+        checkpoints.append(metrics["step"])
+        ray.train.report(metrics, checkpoint=state.step)
+        return checkpoint_dir_name(state.step)
+
+    monkeypatch.setattr(loop, "report_checkpoint", report_checkpoint)
+    loop.WorkerLoop(cfg, te, TrainerState(fit_id="f"), feed).run()
+    assert checkpoints == [4, 8]
+    assert [r.get("checkpoint") for r in reports] == [4, 8]
+    lines = (tmp_path / "runs" / "r" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines if json.loads(x)["kind"] == "train"] == list(range(1, 9))
+
+
+def test_the_fault_hook_reads_its_faults_and_its_step_wait(tmp_path, monkeypatch):
+    """PIPELINES_FAULTS: the last rank fails once per planned step; ``slow:`` makes every rank wait."""
+    import time
+
+    from pipelines.train import faults
+
+    assert faults.parse("12:raise, 24:kill,slow:0.25") == ({12: "raise", 24: "kill"}, 0.25)
+    assert faults.parse("") == ({}, 0.0)
+    for bad in ("12:explode", "slow:soon", "slow:-1", "x:raise"):
+        with pytest.raises(ValueError, match="PIPELINES_FAULTS"):
+            faults.parse(bad)
+    monkeypatch.setenv(faults.ENV, "3:raise,slow:0.2")
+    faults.maybe_fail(3, 0, 2, str(tmp_path))  # not the last rank
+    t0 = time.perf_counter()
+    with pytest.raises(faults.InjectedFault, match="after step 3 on rank 1"):
+        faults.maybe_fail(3, 1, 2, str(tmp_path))
+    assert time.perf_counter() - t0 >= 0.2
+    faults.maybe_fail(3, 1, 2, str(tmp_path))  # once per run directory: the restored run goes past it

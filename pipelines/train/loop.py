@@ -205,8 +205,6 @@ class WorkerLoop:
             why = self.triggers.due()  # collective: every minutes, or a preemption notice
             if why is not None or (train.checkpoint_every_steps and step % train.checkpoint_every_steps == 0):
                 self._checkpoint(why)
-            elif step % train.log_every_steps == 0:
-                self._report()
         if self.window.steps:
             self._log()
         return steps
@@ -286,14 +284,16 @@ class WorkerLoop:
             self.metrics.write({"kind": "checkpoint", "step": self.state.step, "reason": reason})
 
     def _report_metrics(self) -> dict[str, Any]:
-        """Numbers for ``ray.train.report`` (Result.metrics): the last train window + last eval."""
+        """Numbers for a checkpoint's ``ray.train.report`` (``Result.metrics``): the last train window + last eval.
+
+        Only checkpoints are reported to Ray Train. Ray Train 2.x keeps the metrics of checkpoint reports
+        alone (``Result.metrics`` is the latest checkpoint's), and a worker's report goes into a queue of one
+        that the controller drains once per poll (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, 2 s by default):
+        a report of metrics every few steps made every step after the first wait for that poll, e.g. 2 s a
+        step with ``log_every_steps: 1``. The log lines, metrics.jsonl and the trackers carry every window.
+        """
         merged = {**self.last_record, **self.last_eval, "step": self.state.step, "epoch": self.state.epoch}
         return {k: v for k, v in merged.items() if isinstance(v, (int, float))}
-
-    def _report(self) -> None:
-        import ray.train
-
-        ray.train.report(self._report_metrics())
 
     def _export(self) -> str:
         t0 = time.perf_counter()
