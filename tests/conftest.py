@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -312,7 +312,7 @@ def _make_mosaic_python(tmp: Path) -> Path:
 
 BACKGROUND_JOBS = {"mosaic_python": ("mosaic", _make_mosaic_python), "sft_job": ("sft_job", run_sft_job),
                    "quick_run": ("bench", run_bench_quick), "notebook_run": ("notebook", run_notebook),
-                   "job_submit_run": ("job_submit", run_job_submit)}
+                   "job_submit_run": ("job_submit", run_job_submit), "node_loss_runs": ("nodeloss", run_node_loss)}
 _started: dict[str, Future] = {}
 
 
@@ -321,10 +321,8 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     wanted = [name for name in BACKGROUND_JOBS if any(name in getattr(it, "fixturenames", ()) for it in items)]
     if config.option.collectonly:
         return
-    # Last of all, the node-loss tests: their cluster runs alone (node_loss_runs).
-    last = [it for it in items if "node_loss_runs" in getattr(it, "fixturenames", ())]
-    late = [it for it in items if set(getattr(it, "fixturenames", ())) & set(wanted) and it not in last]
-    items[:] = [it for it in items if it not in late and it not in last] + late + last
+    late = [it for it in items if set(getattr(it, "fixturenames", ())) & set(wanted)]
+    items[:] = [it for it in items if it not in late] + late
     if not wanted:
         return
     factory = config._tmp_path_factory
@@ -357,15 +355,10 @@ def quick_run(tmp_path_factory) -> BenchRun:
 
 @pytest.fixture(scope="session")
 def node_loss_runs(tmp_path_factory) -> NodeLossRuns:
-    """The node-loss scenarios' run (:func:`run_node_loss`) that tests/test_node_loss.py reads.
-
-    Not beside other tests: it runs last, once the jobs above are done. Its outcomes depend on timing that load
-    may change; run beside the other tests (2026-12-07, twice, though with the fast poll above, which the
-    cluster no longer gets), the fit of ``fail`` reported the surviving rank's gloo error ("Connection closed
-    by peer") and not the lost node.
-    """
-    wait(_started.values())
-    return run_node_loss(tmp_path_factory.mktemp("nodeloss"))
+    """The node-loss scenarios' run (:func:`run_node_loss`) that tests/test_node_loss.py reads: the last job
+    above, beside the in-process tests (each scenario paces its steps, so that load does not end a run before
+    its chaos has acted, and a surviving rank's error names the lost peer: pipelines.train.peers)."""
+    return _background("node_loss_runs", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

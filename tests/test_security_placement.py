@@ -79,15 +79,23 @@ def test_tokenizer_actors_run_only_where_the_resource_is():
 
 
 def test_shared_test_ray_is_on_loopback(ray_local):
-    """The session's shared Ray (conftest.py) advertises 127.0.0.1 and listens on nothing else."""
+    """The session's shared Ray (conftest.py) advertises 127.0.0.1 and listens on nothing else.
+
+    Only its own processes are looked at (what Ray started for it, and their children), not those of the
+    jobs the suite runs beside it (conftest's BACKGROUND_JOBS). Not covered: while a fit runs, torch's
+    rendezvous store on rank 0 (``TCPStore``, created by Ray Train's ``init_process_group``) listens on
+    ``::``, whatever address it is given; torch has no bind address for it."""
     import psutil
 
     from pipelines.ray_local import node_addresses
 
     assert node_addresses() == ["127.0.0.1"]
     assert ray_local.get(ray_local.remote(lambda: ray_local.util.get_node_ip_address()).remote()) == "127.0.0.1"
-    listening = set()  # (process, address) of every listening socket of Ray's processes (our children)
-    for proc in psutil.Process().children(recursive=True):
+    started = [info.process.pid for infos in ray_local._private.worker._global_node.all_processes.values()
+               for info in infos]  # gcs_server, raylet (the workers' parent), dashboard, monitors
+    ours = [psutil.Process(pid) for pid in started if psutil.pid_exists(pid)]
+    listening = set()  # (process, address) of every listening socket of this Ray's processes
+    for proc in ours + [c for p in ours for c in p.children(recursive=True)]:
         try:
             listening |= {(proc.name(), c.laddr.ip) for c in proc.net_connections("inet") if c.status == psutil.CONN_LISTEN}
         except psutil.NoSuchProcess:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -116,3 +117,52 @@ def test_the_fault_hook_reads_its_faults_and_its_step_wait(tmp_path, monkeypatch
         faults.maybe_fail(3, 1, 2, str(tmp_path))
     assert time.perf_counter() - t0 >= 0.2
     faults.maybe_fail(3, 1, 2, str(tmp_path))  # once per run directory: the restored run goes past it
+
+
+_LOST_PEER_SCRIPT = """
+import os, signal, sys, time
+import torch, torch.distributed as dist
+from pipelines.train.peers import PeerLost, naming_lost_peers
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+t = torch.ones(4)
+dist.all_reduce(t)
+if rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)  # the lost peer: every process of its node goes at once
+time.sleep(1.0)
+try:
+    with naming_lost_peers(rank, 2):
+        dist.all_reduce(t)
+except PeerLost as err:
+    print("PEER_LOST", err, "| CAUSE", type(err.__cause__).__name__, flush=True)
+os._exit(0)
+"""
+
+
+def test_a_collective_whose_peer_was_killed_fails_naming_the_lost_peer(tmp_path):
+    """Two gloo ranks; rank 1 is SIGKILLed; rank 0's next all_reduce raises PeerLost naming the cause."""
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    from pipelines.train.peers import PeerLost, naming_lost_peers
+
+    script = tmp_path / "peers.py"
+    script.write_text(_LOST_PEER_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    peer = subprocess.Popen([sys.executable, str(script), "1", port], env=env)
+    out = subprocess.run([sys.executable, str(script), "0", port], env=env, capture_output=True, text=True,
+                         timeout=120)
+    peer.wait(timeout=60)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("PEER_LOST")), out.stdout + out.stderr)
+    assert "rank 0 of 2" in line and "its node died" in line and "Connection closed by peer" in line, line
+    assert line.endswith("| CAUSE RuntimeError"), line
+    with pytest.raises(ValueError, match="other"), naming_lost_peers(0, 2):  # any other error passes unchanged
+        raise ValueError("other")
+    with pytest.raises(PeerLost), naming_lost_peers(0, 2):
+        raise RuntimeError("NCCL error: remote process exited or there was a network error")

@@ -55,6 +55,7 @@ from pipelines.train.metrics import (
     recovery_record,
     startup_line,
 )
+from pipelines.train.peers import naming_lost_peers
 from pipelines.train.step import (
     BatchSource,
     TrainEngine,
@@ -96,25 +97,26 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     init_distributed(cfg.scaling.use_gpu, device)
     source = resume_source(cfg.run.resume, config["fit_id"], cfg.storage, run_dir(cfg))
     rank, world = dist.get_rank(), dist.get_world_size()
-    early = EarlyFeeder(cfg, config["spec"], rank, world, batch_layout(cfg.train, cfg.scaling, world).step_rows,
-                        f"{run_dir(cfg)}/ledger", source is None, config.get("given"))
-    te = build_engine(cfg, load_universal=source is not None and source.layout.needs_universal(dist.get_world_size()))
-    clock.mark("engine")
-    state = restore(te, source, config["fit_id"])
-    clock.mark("restore")
-    if te.rank == 0:
-        backend = "nccl" if cfg.scaling.use_gpu else "gloo"
-        for line in (startup_line(clock.at("workers"), "workers up", f"{te.world_size} ranks ({backend})"),
-                     startup_line(clock.at("engine"), "engine ready", engine_summary(cfg, te),
-                                  took=clock.between("workers", "engine"))):
-            print(line, file=sys.__stdout__, flush=True)
-    eval_shard = ray.train.get_dataset_shard("eval") if config.get("has_eval") else None
-    # Rank 0's feeder resumes from the checkpoint's data state (under run.on_data_change) before any training;
-    # a step takes the run's global batch, whatever the world size (pipelines.stream.batch).
-    feeder, state.epoch = early.share(te.rank, te.world_size, state.data_state, state.step, state.epoch)
-    train = StepFeed(feeder, te.rank, cfg.train.micro_batch_size, te.collate_fn())
-    clock.mark("feeder")
-    WorkerLoop(cfg, te, state, train, eval_shard, clock, source).run()
+    with naming_lost_peers(rank, world):  # a surviving rank's error names the lost peer (pipelines.train.peers)
+        early = EarlyFeeder(cfg, config["spec"], rank, world, batch_layout(cfg.train, cfg.scaling, world).step_rows,
+                            f"{run_dir(cfg)}/ledger", source is None, config.get("given"))
+        te = build_engine(cfg, load_universal=source is not None and source.layout.needs_universal(dist.get_world_size()))
+        clock.mark("engine")
+        state = restore(te, source, config["fit_id"])
+        clock.mark("restore")
+        if te.rank == 0:
+            backend = "nccl" if cfg.scaling.use_gpu else "gloo"
+            for line in (startup_line(clock.at("workers"), "workers up", f"{te.world_size} ranks ({backend})"),
+                         startup_line(clock.at("engine"), "engine ready", engine_summary(cfg, te),
+                                      took=clock.between("workers", "engine"))):
+                print(line, file=sys.__stdout__, flush=True)
+        eval_shard = ray.train.get_dataset_shard("eval") if config.get("has_eval") else None
+        # Rank 0's feeder resumes from the checkpoint's data state (under run.on_data_change) before any training;
+        # a step takes the run's global batch, whatever the world size (pipelines.stream.batch).
+        feeder, state.epoch = early.share(te.rank, te.world_size, state.data_state, state.step, state.epoch)
+        train = StepFeed(feeder, te.rank, cfg.train.micro_batch_size, te.collate_fn())
+        clock.mark("feeder")
+        WorkerLoop(cfg, te, state, train, eval_shard, clock, source).run()
 
 
 class NoTrainingData(RuntimeError):
