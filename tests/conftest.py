@@ -29,6 +29,11 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 # are seconds long, a real run's are hours); every Ray the tests start reads it from this environment, except
 # the node-loss cluster's, which keeps Ray's default (tests/node_loss_cluster.py says why).
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+# The environment as the session starts: what the processes of the jobs beside the tests get (BACKGROUND_JOBS
+# below). A test's monkeypatch.setenv changes os.environ for the whole process while that test runs, and a job
+# started meanwhile inherited it: in CI (2026-12-07) the notebook's fit got a fault test's PIPELINES_FAULTS
+# and failed at the injected fault.
+SESSION_ENV = dict(os.environ)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("PIPELINES_SHARED_DATA", ROOT.parent / "shared" / "data"))
@@ -180,7 +185,7 @@ def run_sft_job(tmp: Path) -> JobRun:
 
     # Ray's socket paths must stay under 108 bytes; pytest's tmp dirs can be too long for them.
     ray_tmp = tempfile.mkdtemp(prefix="rj", dir="/tmp")
-    env = {**os.environ, **FAKE_AWS, "RAY_TMPDIR": ray_tmp, "PYTHONUNBUFFERED": "1",
+    env = {**SESSION_ENV, **FAKE_AWS, "RAY_TMPDIR": ray_tmp, "PYTHONUNBUFFERED": "1",
            "PYTHONWARNINGS": "default::DeprecationWarning,default::FutureWarning"}
     for key in ("RAY_ADDRESS", SINGLE_MACHINE_ENV):
         env.pop(key, None)
@@ -222,7 +227,8 @@ def run_bench_quick(out: Path) -> BenchRun:
     tested in tests/test_benchmarks_quick.py with stand-in scripts."""
     (out / "BENCHMARKS.md").write_text(f"stale tables\n\n{bench_kept_marker()}\n\n{BENCH_KEPT_SECTION}", encoding="utf-8")
     cmd = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(out), "--skip", "B5,B6,B7"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=840)
+    proc = subprocess.run(cmd, cwd=ROOT, env=SESSION_ENV, capture_output=True, text=True,
+                          timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     md = (out / "BENCHMARKS.md").read_text(encoding="utf-8")
     results = json.loads((out / "results" / "results.json").read_text(encoding="utf-8"))
@@ -249,7 +255,7 @@ def run_node_loss(tmp: Path) -> NodeLossRuns:
     """Every node-loss scenario, one after another on one loopback cluster in a child process (its start is paid
     once), with Ray Train's controller polling at its default interval, as on a user's cluster (the child
     drops the variable this module sets)."""
-    env = {**os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
+    env = {**SESSION_ENV, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "node_loss_cluster.py"), str(tmp),
                            ",".join(NODE_LOSS_SCENARIOS)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=1700)
@@ -290,7 +296,7 @@ def run_notebook(tmp: Path) -> NotebookRun:
     import nbformat
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    env = {**os.environ, "QUICKSTART_STEPS": "12", "QUICKSTART_STORAGE": str(tmp / "runs")}
+    env = {**SESSION_ENV, "QUICKSTART_STEPS": "12", "QUICKSTART_STORAGE": str(tmp / "runs")}
     env.pop("MPLBACKEND", None)  # the kernel's inline backend renders the plots
     client = nbclient.NotebookClient(nb, timeout=800, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}})
     client.execute(env=env)

@@ -11,7 +11,6 @@ read back from Ray instead of probing for a free port and hoping it stays free.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import shutil
 import socket
@@ -98,7 +97,9 @@ def run_job_submit(tmp: Path) -> JobSubmitRun:
     """Start the head, submit ``python ray_jobs/sft.py`` + :data:`JOB_ARGS` with ``--working-dir .`` (token
     authentication on), wait for it, stop the head."""
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
-    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    from conftest import SESSION_ENV  # the session's environment, not a running test's (conftest says why)
+
+    env = {**SESSION_ENV, "PATH": f"{VENV_BIN}:{SESSION_ENV.get('PATH', '')}", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
     cmd = [
         f"{VENV_BIN}/ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
