@@ -291,8 +291,8 @@ class WorkerLoop:
         Only checkpoints are reported to Ray Train. Ray Train 2.x keeps the metrics of checkpoint reports
         alone (``Result.metrics`` is the latest checkpoint's), and a worker's report goes into a queue of one
         that the controller drains once per poll (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, 2 s by default):
-        a report of metrics every few steps made every step after the first wait for that poll, e.g. 2 s a
-        step with ``log_every_steps: 1``. The log lines, metrics.jsonl and the trackers carry every window.
+        a report of metrics at every log line would hold each step to that poll (2 s a step with
+        ``log_every_steps: 1``). The log lines, metrics.jsonl and the trackers carry every window.
         """
         merged = {**self.last_record, **self.last_eval, "step": self.state.step, "epoch": self.state.epoch}
         return {k: v for k, v in merged.items() if isinstance(v, (int, float))}
