@@ -1,4 +1,5 @@
-"""Small pieces of the training path that need no processes: metrics windows, log line, checkpoint lookup."""
+"""Small pieces of the training path: metrics windows, log line, checkpoint lookup, what the loop reports to Ray
+Train, the fault hook, and the lost-peer error (two gloo processes, one killed)."""
 
 from __future__ import annotations
 
