@@ -2,6 +2,13 @@
 
     .venv/bin/python benchmarks/feeder_scale.py            # N = 2, 8, 32, 64; writes benchmarks/results/feeder_scale.png
     .venv/bin/python benchmarks/feeder_scale.py --quick    # N = 2, 4 on a small stream (CI smoke)
+    .venv/bin/python benchmarks/feeder_scale.py --step-ms 500 --steps 200   # N = 8, 64 at a set step time
+
+At a set step time (``--step-ms``), each rank spends that long on every step (sleeping: a GPU's step, no CPU)
+while its client's next request is in flight, for ``--steps`` steps of a stream made for that N; both systems
+serve it once per N. The rate is then the step time's, so the figure is what the ranks wait for their rows:
+data wait % of the run (the mean over ranks of their waits / their wall time), p50/p99 per step. Without it
+(below) the ranks take rows as fast as they can: the feeder's capacity.
 
 The rows are pre-tokenized (real GPT-2 ids of c4_demo, concatenated into rows of exactly 2048 tokens,
 in blocks of 64 rows with their ``unit_*`` position columns, as the packing stage writes them) and
@@ -165,7 +172,9 @@ class Rank:
         its first use loads the actor's class, ~0.3 s here)."""
         self.feeder = feeder
 
-    def run(self, feeder: Any) -> dict[str, Any]:
+    def run(self, feeder: Any, step_s: float = 0.0) -> dict[str, Any]:
+        """Take every step; ``step_s`` > 0: then spend that long on it (the model's step; no CPU), as a rank at a
+        set step time does, while the client's next request is in flight."""
         client = FeederClient(feeder, self.rank)
         waits, tokens, t0 = [], 0, time.perf_counter()
         while True:
@@ -178,6 +187,7 @@ class Rank:
             if cols and cols["input_ids"]:
                 flat = {k: np.concatenate(v) for k, v in cols.items()}  # the flatten collate, in numpy
                 tokens += int(flat["input_ids"].size)
+                _train(step_s, w0 + waits[-1])
         return {"tokens": tokens, "waits": waits, "start": t0, "end": time.perf_counter()}
 
 
@@ -194,7 +204,7 @@ class Rank:
         flat = np.concatenate(list(col)) if col.dtype == object else col.reshape(-1)  # the flatten collate
         return int(flat.size)
 
-    def run_split(self) -> dict[str, Any]:
+    def run_split(self, step_s: float = 0.0) -> dict[str, Any]:
         waits, tokens, t0 = [], 0, time.perf_counter()
         while True:
             w0 = time.perf_counter()
@@ -203,7 +213,15 @@ class Rank:
                 break
             waits.append(time.perf_counter() - w0)
             tokens += self._tokens(batch)
+            _train(step_s, w0 + waits[-1])
         return {"tokens": tokens, "waits": waits, "start": t0, "end": time.perf_counter()}
+
+
+def _train(step_s: float, since: float) -> None:
+    """A step of ``step_s`` seconds that began when the rank had its rows (``since``): the rank's own work on
+    them counts towards it, the rest is spent waiting as on a GPU."""
+    if step_s > 0:
+        time.sleep(max(0.0, since + step_s - time.perf_counter()))
 
 
 def tree_cpu_s() -> float:
@@ -214,7 +232,16 @@ def tree_cpu_s() -> float:
     return tree.cpu_s
 
 
-def run_feeder(ds: ray.data.Dataset, ranks: list[Any], quiet_s: float) -> dict[str, Any]:
+def _waits(res: list[dict[str, Any]], wall: float) -> dict[str, float]:
+    """Each rank's wait for its rows, over every step of every rank: p50/p99 per step, and the share of the
+    run's wall time the ranks spent waiting (the mean over ranks: what a training run calls data wait)."""
+    waits = np.concatenate([r["waits"] for r in res])
+    return {"wait_p50_ms": float(np.percentile(waits, 50) * 1e3), "wait_p99_ms": float(np.percentile(waits, 99) * 1e3),
+            "data_wait_pct": float(np.mean([100 * sum(r["waits"]) / (r["end"] - r["start"]) for r in res])),
+            "steps": int(max(len(r["waits"]) for r in res))}
+
+
+def run_feeder(ds: ray.data.Dataset, ranks: list[Any], quiet_s: float, step_s: float = 0.0) -> dict[str, Any]:
     from pipelines.config import config_from_dict
     from pipelines.stream.spec import given_spec
 
@@ -229,7 +256,7 @@ def run_feeder(ds: ray.data.Dataset, ranks: list[Any], quiet_s: float) -> dict[s
     cpu0, _ = ray.get(feeder.usage.remote())
     tree0 = tree_cpu_s()
     t0 = time.perf_counter()
-    runs = [r.run.remote(feeder) for r in ranks]
+    runs = [r.run.remote(feeder, step_s) for r in ranks]
     feeder.go.remote()
     res = ray.get(runs)
     wall = time.perf_counter() - t0
@@ -237,14 +264,12 @@ def run_feeder(ds: ray.data.Dataset, ranks: list[Any], quiet_s: float) -> dict[s
     cpu1, rss = ray.get(feeder.usage.remote())
     ray.kill(feeder)
     tokens = sum(r["tokens"] for r in res)
-    waits = np.concatenate([r["waits"] for r in res])
     return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": tokens / wall,
             "cpu_s_per_m_tokens": (cpu1 - cpu0) / tokens * 1e6, "tree_cpu_s_per_m_tokens": tree / tokens * 1e6,
-            "quiet_before": quiet, "wait_p50_ms": float(np.percentile(waits, 50) * 1e3),
-            "wait_p99_ms": float(np.percentile(waits, 99) * 1e3), "feeder_peak_rss_mb": rss}
+            "quiet_before": quiet, **_waits(res, wall), "feeder_peak_rss_mb": rss}
 
 
-def run_split(ds: ray.data.Dataset, ranks: list[Any], quiet_s: float) -> dict[str, Any]:
+def run_split(ds: ray.data.Dataset, ranks: list[Any], quiet_s: float, step_s: float = 0.0) -> dict[str, Any]:
     """The peer: ``ds.streaming_split(N, equal=True)`` (Ray Train's default for a train dataset), one iterator per
     rank, ``iter_batches(batch_size=8)`` each, the same flatten as the feeder's ranks. Its first step per rank is
     taken before the clock and counted (as the ceiling's first batch)."""
@@ -253,14 +278,12 @@ def run_split(ds: ray.data.Dataset, ranks: list[Any], quiet_s: float) -> dict[st
     quiet = wait_quiet(timeout_s=quiet_s)
     tree0 = tree_cpu_s()
     t0 = time.perf_counter()
-    res = ray.get([r.run_split.remote() for r in ranks])
+    res = ray.get([r.run_split.remote(step_s) for r in ranks])
     wall = time.perf_counter() - t0
     tree = tree_cpu_s() - tree0
     tokens = first + sum(r["tokens"] for r in res)
-    waits = np.concatenate([r["waits"] for r in res])
     return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": tokens / wall,
-            "tree_cpu_s_per_m_tokens": tree / tokens * 1e6, "quiet_before": quiet,
-            "wait_p50_ms": float(np.percentile(waits, 50) * 1e3), "wait_p99_ms": float(np.percentile(waits, 99) * 1e3)}
+            "tree_cpu_s_per_m_tokens": tree / tokens * 1e6, "quiet_before": quiet, **_waits(res, wall)}
 
 
 def run_ceiling(ds: ray.data.Dataset, quiet_s: float) -> dict[str, Any]:
@@ -310,7 +333,12 @@ def main() -> None:
     ap.add_argument("--ns", default=None, help="comma list of N (default 2,8,32,64; quick 2,4)")
     ap.add_argument("--steps", type=int, default=None, help="steps at the largest N (default 48; quick 4)")
     ap.add_argument("--plot", default=None, help="PNG path (default benchmarks/results/feeder_scale.png; quick: a temp dir)")
+    ap.add_argument("--step-ms", type=float, default=0.0,
+                    help="ranks spend this long on each step (a set step time; default 0: as fast as they can). "
+                         "Then every N gets its own stream of --steps steps (default 200) and the figure is data wait")
     args = ap.parse_args()
+    if args.step_ms:
+        return main_step_time(args)
     quiet_s = QUICK_QUIET_TIMEOUT_S if args.quick else QUIET_TIMEOUT_S
     if args.plot is None:
         import tempfile
@@ -389,6 +417,65 @@ def main() -> None:
             print(f"\nplot: {Path(args.plot).relative_to(ROOT) if Path(args.plot).is_relative_to(ROOT) else args.plot}")
         except ImportError as err:
             print(f"no plot: {err}")
+    print("RESULT " + json.dumps(out))
+
+
+def main_step_time(args: argparse.Namespace) -> None:
+    """B8 at a set step time: per N, a stream of exactly ``steps`` steps for N ranks that each spend ``step_ms`` on
+    a step; the feeder and ``streaming_split(N)`` each serve it once. What matters then is not the rate (the
+    step time sets it) but how long the ranks wait for their rows: data wait % of the run, p50/p99 per step."""
+    ns = [int(x) for x in (args.ns or ("2,4" if args.quick else "8,64")).split(",")]
+    steps = args.steps or (20 if args.quick else 200)
+    step_s = args.step_ms / 1e3
+    quiet_s = QUICK_QUIET_TIMEOUT_S if args.quick else QUIET_TIMEOUT_S
+    if not C4.is_file():
+        print(f"not available: {C4} missing")
+        return
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")])
+    init_local(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    out: dict[str, Any] = {"step_ms": args.step_ms, "steps": steps, "seq": SEQ, "rows_per_rank": K,
+                           "load_avg_before": os.getloadavg(), "per_n": {}}
+    for n in ns:
+        try:
+            ds = make_dataset(n * K * steps)
+            per: dict[str, Any] = {}
+            for key, run in (("feeder", run_feeder), ("split", run_split)):
+                ranks = [Rank.options(num_cpus=1.0 / n).remote(r) for r in range(n)]  # fresh ranks for each system
+                ray.get([r.ready.remote() for r in ranks])
+                per[key] = run(ds, ranks, quiet_s, step_s)
+                for r in ranks:
+                    ray.kill(r)
+            out["per_n"][str(n)] = per
+            del ds
+        except Exception as err:  # e.g. out of memory at large N: report it, keep the smaller N
+            out["per_n"][str(n)] = {"error": repr(err)}
+    out["load_avg_after"] = os.getloadavg()
+    ray.shutdown()
+    print(f"{steps} steps of {K} rows x {SEQ} tokens per rank, {args.step_ms:g} ms a step; load average "
+          f"before/after {out['load_avg_before'][0]:.1f}/{out['load_avg_after'][0]:.1f}\n")
+    print("| N | system | data wait % | wait p50 / p99 ms | M tokens/s (all ranks) | demand M tokens/s "
+          "| all processes CPU-s / M tokens | busy before |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    demand = {n: n * K * SEQ / step_s for n in ns}
+    for n in ns:
+        per = out["per_n"][str(n)]
+        if "error" in per:
+            print(f"| {n} | - | not run: {per['error'][:80]} | | | | | |")
+            continue
+        for key, label in (("feeder", "feeder"), ("split", "ds.streaming_split(N) (peer)")):
+            r = per[key]
+            print(f"| {n} | {label} | {r['data_wait_pct']:.2f} | {r['wait_p50_ms']:.1f} / {r['wait_p99_ms']:.1f} | "
+                  f"{r['tokens_per_s'] / 1e6:.2f} | {demand[n] / 1e6:.2f} | {r['tree_cpu_s_per_m_tokens']:.3f} | "
+                  f"{r['quiet_before']['busy']:.0%} |")
+    done = [n for n in ns if "error" not in out["per_n"][str(n)]]
+    # The opening table's rates are "higher is better": delivered tokens/s (the step time caps it; waiting lowers
+    # it), with each system's data wait in its label.
+    out["headline"] = [headline(f"B8 {n} ranks at a set step time ({args.step_ms:g} ms, {steps} steps; one run)",
+                                "M tok/s", *(figures(f"{label}: data wait {p['data_wait_pct']:.2f}%", p["wall_s"], None,
+                                                     p["tokens_per_s"] / 1e6) for label, p in
+                                             (("the feeder", per_n["feeder"]),
+                                              ("ds.streaming_split(N)", per_n["split"]))))
+                       for n in done for per_n in [out["per_n"][str(n)]]]
     print("RESULT " + json.dumps(out))
 
 

@@ -16,14 +16,21 @@ process (``--child NAME``) so imports, ``ray.init`` and memory never leak betwee
   formatted with the same alpaca template and tokenized in ``__getitem__`` (no label masks: less
   work than ours), concatenated into 2048-token rows in the main process. Local shards are read in
   place (``local=`` only); the tokenizer and the dataset object are made before the clock starts.
-* ``*_tok_*``: pre-tokenized MDS in llm-foundry's concatenated-tokens layout (one ``tokens: ndarray:int32``
-  column of 2048-token samples, made here before any clock): nobody tokenizes. Ours is training's path: the
-  feeder, which reads such a source in its own process, serving one rank 64-row steps that the rank fetches
-  (``ours_feeder``). Mosaic's is llm-foundry's: a ``StreamingDataset`` subclass returning the ``tokens``
-  array, iterated through the base class's ``__iter__`` (shard predownload, its defaults) by
-  ``DataLoader(num_workers=2)``, 64 samples a batch. ``ours_tok_local_inproc`` runs the feeder's code in the
-  consumer's process instead of an actor (one consumer needs no actor; training's ranks share one), which
-  separates the actor's start and calls from the reading itself.
+* ``*_tok_*``: pre-tokenized data, made here before any clock: nobody tokenizes. MDS in llm-foundry's
+  concatenated-tokens layout (one ``tokens: ndarray:int32`` column of 2048-token samples, zstd as its README
+  converts), and LitData's own offline format (``optimize`` with ``TokensLoader()`` and its README's chunk size,
+  uncompressed, its default) of the same token stream. Locally each set is ``--tok-mtokens`` (500 M) tokens:
+  hard-linked copies of one ~13 M-token set, so the page cache holds one copy for every system alike; on S3
+  the one set. Ours is training's path: the feeder, which reads such a source in its own process, serving one
+  rank 64-row steps that the rank fetches (``ours_feeder``), on the zstd MDS and (``ours_tok_local_raw``) on
+  the same MDS without compression. Mosaic's is llm-foundry's: a ``StreamingDataset`` subclass returning the
+  ``tokens`` array, iterated through the base class's ``__iter__`` (shard predownload, its defaults) by
+  ``DataLoader(num_workers=2)``, 64 samples a batch; the shards it decompresses next to a local set are
+  removed before each run (it keeps them when there is no remote, so a second run would skip the work ours
+  does every time). LitData's is its README's pre-training loader: ``StreamingDataset(item_loader=
+  TokensLoader(block_size=2048))`` + ``StreamingDataLoader(num_workers=2)``, 64 rows a batch.
+  ``ours_tok_local_inproc`` runs the feeder's code in the consumer's process instead of an actor (one consumer
+  needs no actor; training's ranks share one), which separates the actor's start and calls from the reading.
 * ``convert``: ``ray_jobs/convert.py --tokenize`` (2 write tasks) JSONL -> tokenized MDS, vs two peers
   that read the same JSONL, format each record with the same template, tokenize in batches of 1,000
   (``encode_batch_fast``: ids only) and write ``input_ids`` with ``MDSWriter`` (no label masks: less
@@ -154,23 +161,103 @@ def prepare_tokens(work: Path, shard_bytes: int) -> dict[str, Any]:
     tok = Tokenizer.from_file(str(GPT2 / "tokenizer.json"))
     tok.no_truncation()
     eos = tok.token_to_id("<|endoftext|>")
-    out = work / "mds_tokens"
-    shutil.rmtree(out, ignore_errors=True)
+    writers = {}
+    for name, compression in (("mds_tokens", "zstd"), ("mds_tokens_raw", None)):  # zstd: llm-foundry's README
+        shutil.rmtree(work / name, ignore_errors=True)
+        writers[name] = ShardWriter(out=str(work / name), columns={"tokens": "ndarray:int32"},
+                                    compression=compression, hashes=["xxh64"], size_limit=shard_bytes)
     samples, buf = 0, np.zeros(0, np.int32)
-    with ShardWriter(out=str(out), columns={"tokens": "ndarray:int32"}, compression="zstd", hashes=["xxh64"],
-                   size_limit=shard_bytes) as w:
-        for path in sorted((work / "jsonl").glob("*.jsonl")):
-            rows = [json.loads(line) for line in path.read_text().splitlines()]
-            ids = [np.asarray(e.ids + [eos], np.int32) for e in tok.encode_batch(_alpaca_texts(rows))]
-            buf = np.concatenate([buf, *ids])
-            k = len(buf) // SEQ_LEN
-            for i in range(k):
+    for path in sorted((work / "jsonl").glob("*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        ids = [np.asarray(e.ids + [eos], np.int32) for e in tok.encode_batch(_alpaca_texts(rows))]
+        buf = np.concatenate([buf, *ids])
+        k = len(buf) // SEQ_LEN
+        for i in range(k):
+            for w in writers.values():
                 w.write({"tokens": buf[i * SEQ_LEN : (i + 1) * SEQ_LEN]})
-            samples, buf = samples + k, buf[k * SEQ_LEN :]
-        if len(buf):
+        samples, buf = samples + k, buf[k * SEQ_LEN :]
+    if len(buf):
+        for w in writers.values():
             w.write({"tokens": buf})
-            samples += 1
+        samples += 1
+    for w in writers.values():
+        w.finish()
     return {"token_samples": samples}
+
+
+def _litdata_tokenize(path: str) -> Any:
+    """LitData's documented tokenize function for ``optimize`` (its LLM pre-training example): one JSONL file in,
+    its documents' GPT-2 ids (+ EOS each) out, as one int32 array that ``TokensLoader`` concatenates."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    sys.path.insert(0, str(ROOT))
+    tok = Tokenizer.from_file(str(GPT2 / "tokenizer.json"))
+    tok.no_truncation()
+    eos = tok.token_to_id("<|endoftext|>")
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    yield np.concatenate([np.asarray(e.ids + [eos], np.int32) for e in tok.encode_batch(_alpaca_texts(rows))])
+
+
+def prepare_litdata_tokens(work: Path) -> dict[str, Any]:
+    """LitData's offline path, as its README's LLM pre-training example runs it: ``optimize`` of the same JSONL
+    with ``TokensLoader()`` and its chunk size (2049 x 8012 tokens), 2 workers; no clock."""
+    import litdata
+
+    out = work / "litdata_tokens"
+    shutil.rmtree(out, ignore_errors=True)
+    litdata.optimize(fn=_litdata_tokenize, inputs=[str(f) for f in sorted((work / "jsonl").glob("*.jsonl"))],
+                     output_dir=str(out), chunk_size=2049 * 8012, item_loader=litdata.TokensLoader(), num_workers=2,
+                     verbose=False)
+    index = json.loads((out / "index.json").read_text())
+    return {"litdata_tokens": sum(c["dim"] for c in index["chunks"]), "litdata_chunks": len(index["chunks"])}
+
+
+def replicate_mds(src: Path, dst: Path, copies: int) -> int:
+    """``copies`` of the MDS set ``src`` as one set ``dst``: its shard files hard-linked under new names, its
+    index listing them all (issue 43: hard-linked shards are fine for scale). Returns the shard count."""
+    index = json.loads((src / "index.json").read_text())
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True)
+    shards = []
+    for _ in range(copies):
+        for shard in index["shards"]:
+            shard = json.loads(json.dumps(shard))
+            number = len(shards)
+            for key in ("raw_data", "zip_data"):
+                old = (shard.get(key) or {}).get("basename")
+                if old is None:
+                    continue
+                new = f"shard.{number:05d}." + old.split(".", 2)[2]  # shard.00000.mds(.zstd)
+                if (src / old).exists():
+                    os.link(src / old, dst / new)
+                shard[key]["basename"] = new
+            shards.append(shard)
+    (dst / "index.json").write_text(json.dumps({**index, "shards": shards}))
+    return len(shards)
+
+
+def replicate_litdata(src: Path, dst: Path, copies: int) -> int:
+    """``copies`` of LitData's optimized set ``src`` as one set ``dst`` (chunks hard-linked, one index)."""
+    index = json.loads((src / "index.json").read_text())
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True)
+    chunks = []
+    for k in range(copies):
+        for chunk in index["chunks"]:
+            new = f"chunk-{k}-{chunk['filename']}"
+            os.link(src / chunk["filename"], dst / new)
+            chunks.append({**chunk, "filename": new})
+    (dst / "index.json").write_text(json.dumps({**index, "chunks": chunks}))
+    return len(chunks)
+
+
+def drop_decompressed(local: Path) -> None:
+    """Remove the raw shards mosaic decompressed next to their ``.zstd`` in a local-only set (it keeps them when
+    ``remote`` is None, so its next run would skip decompressing): every run starts from the compressed
+    shards, as ours does, which decompresses each time."""
+    for zipped in local.glob("*.mds.zstd"):
+        zipped.with_suffix("").unlink(missing_ok=True)
 
 
 def free_port() -> int:
@@ -363,6 +450,27 @@ def run_mosaic(p: dict[str, Any]) -> dict[str, Any]:
             "first_tokens": first_tokens}
 
 
+def run_litdata_tokens(p: dict[str, Any]) -> dict[str, Any]:
+    """LitData's offline path read as its README's pre-training example reads it: ``StreamingDataset`` with
+    ``TokensLoader(block_size=SEQ_LEN)`` (the example's 2048 + 1 adds the next-token target; SEQ_LEN gives the
+    same rows as the other systems) and ``StreamingDataLoader(num_workers=2)``, 64 rows a batch, in order."""
+    import litdata
+
+    ds = litdata.StreamingDataset(input_dir=p["input_dir"], item_loader=litdata.TokensLoader(block_size=SEQ_LEN),
+                                  shuffle=False, drop_last=False)
+    t = time.perf_counter()
+    loader = litdata.StreamingDataLoader(ds, batch_size=64, num_workers=2)
+    rows = tokens = first_tokens = 0
+    first = None
+    for batch in loader:
+        rows += batch.shape[0]
+        tokens += batch.numel()
+        if first is None:
+            first, first_tokens = time.perf_counter() - t, tokens
+    return {"init_s": 0.0, "ttfb_s": first, "total_s": time.perf_counter() - t, "rows": rows, "tokens": tokens,
+            "first_tokens": first_tokens}
+
+
 def run_convert(p: dict[str, Any]) -> dict[str, Any]:
     config = Path(p["out"]).with_name("convert-config.yaml")
     config.write_text(json.dumps({"model": {"tokenizer": str(GPT2)}, "data": {
@@ -496,7 +604,8 @@ def steady_rate(r: dict[str, Any]) -> float:
     return (r["tokens"] - r["first_tokens"]) / max(r["total_s"] - r["ttfb_s"], 1e-9)
 
 
-SYSTEMS = {"ours": run_ours, "ours_feeder": run_ours_feeder, "mosaic": run_mosaic, "convert": run_convert, "tokenize_loop": run_tokenize_loop,
+SYSTEMS = {"ours": run_ours, "ours_feeder": run_ours_feeder, "mosaic": run_mosaic, "litdata": run_litdata_tokens,
+           "convert": run_convert, "tokenize_loop": run_tokenize_loop,
            "mosaic_procs": run_mosaic_procs, "convert_stages": run_convert_stages}
 
 
@@ -521,6 +630,8 @@ def _child_once(name: str, params: dict[str, Any]) -> dict[str, Any]:
     stale = [params.get("out"), params.get("local") if params.get("remote") else None]  # never the source
     for path in filter(None, stale):
         shutil.rmtree(path, ignore_errors=True)
+    if name == "mosaic" and not params.get("remote"):
+        drop_decompressed(Path(params["local"]))
     python = sys.executable
     env = {**os.environ, **ENV}
     if name in ("mosaic", "tokenize_loop", "mosaic_procs"):  # mosaic's own code, in the venv that has it (tests/mosaic_venv.py)
@@ -544,6 +655,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny data (~2 MB): check every measurement runs")
     ap.add_argument("--mb", type=float, default=50.0, help="uncompressed size of the data the reads use")
     ap.add_argument("--convert-mb", type=float, default=200.0, help="size of the JSONL the conversion case uses")
+    ap.add_argument("--tok-mtokens", type=float, default=500.0,
+                    help="M tokens of the local pre-tokenized sets (hard-linked copies of the S3 set; default 500)")
     ap.add_argument("--repeats", type=int, help="interleaved rounds, median reported (default 5, quick 1)")
     ap.add_argument("--cases", default="read,tok,convert", help="subset: read, tok (pre-tokenized reads), convert, stages (ours' conversion stages without Ray)")
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "pipelines-mds-bench"))
@@ -564,6 +677,17 @@ def main(argv: list[str] | None = None) -> int:
     if groups & {"read", "tok"}:
         data.update(prepare(work, mb, shard_bytes, files))
         data.update(prepare_tokens(work, shard_bytes))
+    if "tok" in groups:
+        data.update(prepare_litdata_tokens(work))
+        base = data["token_samples"] * SEQ_LEN
+        copies = 1 if args.quick else max(1, -(-int(args.tok_mtokens * 1e6) // base))
+        replicate_mds(work / "mds_tokens_raw", work / "mds_tokens_raw_big", copies)
+        data.update(tok_copies=copies, tok_local_shards=replicate_mds(work / "mds_tokens", work / "mds_tokens_big",
+                                                                      copies),
+                    tok_local_chunks=replicate_litdata(work / "litdata_tokens", work / "litdata_tokens_big", copies))
+        print(f"pre-tokenized: {base / 1e6:.1f} M tokens on S3, {copies} hard-linked copies locally "
+              f"({copies * base / 1e6:.0f} M tokens, {data['tok_local_shards']} MDS shards, "
+              f"{data['tok_local_chunks']} LitData chunks)", flush=True)
         print(f"data: {data['samples']} samples ({data['copies']} copies of Alpaca+LIMA), {data['raw_mb']:.1f} MB "
               f"uncompressed, {data['zstd_mb']:.1f} MB zstd in {data['shards']} shards; {files} JSONL files", flush=True)
     if groups & {"convert", "stages"}:
@@ -583,9 +707,11 @@ def main(argv: list[str] | None = None) -> int:
         if "tok" in groups:
             remote_tok = upload(work / "mds_tokens", endpoint, f"{BUCKET}/mds_tokens")
             cases.update({
-                "ours_tok_local": ("ours_feeder", {"path": str(work / "mds_tokens")}),
-                "ours_tok_local_inproc": ("ours_feeder", {"path": str(work / "mds_tokens"), "in_process": True}),
-                "mosaic_tok_local": ("mosaic", {"local": str(work / "mds_tokens"), "tokens": True}),
+                "ours_tok_local": ("ours_feeder", {"path": str(work / "mds_tokens_big")}),
+                "ours_tok_local_inproc": ("ours_feeder", {"path": str(work / "mds_tokens_big"), "in_process": True}),
+                "mosaic_tok_local": ("mosaic", {"local": str(work / "mds_tokens_big"), "tokens": True}),
+                "ours_tok_local_raw": ("ours_feeder", {"path": str(work / "mds_tokens_raw_big")}),
+                "litdata_tok_local": ("litdata", {"input_dir": str(work / "litdata_tokens_big")}),
                 "ours_tok_s3": ("ours_feeder", {"path": remote_tok, "endpoint": endpoint}),
                 "mosaic_tok_s3": ("mosaic", {"local": str(work / "cache-tok-s3"), "remote": remote_tok,
                                              "endpoint": endpoint, "tokens": True})})
@@ -611,6 +737,8 @@ def main(argv: list[str] | None = None) -> int:
               "ours_tok_local": "the feeder (training's path), pre-tokenized MDS, local",
               "ours_tok_local_inproc": "the feeder's code in the consumer's process (no actor), pre-tokenized, local",
               "mosaic_tok_local": "mosaic StreamingDataset subclass+DataLoader(2), pre-tokenized, local",
+              "ours_tok_local_raw": "the feeder (training's path), pre-tokenized MDS without compression, local",
+              "litdata_tok_local": "LitData StreamingDataset(TokensLoader)+StreamingDataLoader(2), optimized, local",
               "ours_tok_s3": "the feeder (training's path), pre-tokenized MDS on S3 (moto)",
               "mosaic_tok_s3": "mosaic StreamingDataset subclass+DataLoader(2), pre-tokenized, S3 (moto)",
               "convert": "ray_jobs/convert.py --tokenize JSONL -> MDS (2 tasks)",
@@ -639,6 +767,13 @@ def main(argv: list[str] | None = None) -> int:
         summary[f"read_{where}_steady_ratio"] = round(steady, 3)
         print(f"read {where:<9}: ours / mosaic loader = {ratio:.2f}x tokens/s, {steady:.2f}x after each "
               f"one's first batch ({'same' if same else 'DIFFERENT'} token count: {a['tokens']} vs {b['tokens']})")
+    if "litdata_tok_local" in results:  # LitData's own offline format: the same token stream, its chunking
+        a, b = results["ours_tok_local_raw"], results["litdata_tok_local"]
+        summary["read_tok_local_vs_litdata_ratio"] = round((a["tokens"] / a["total_s"]) / (b["tokens"] / b["total_s"]), 3)
+        summary["read_tok_local_vs_litdata_steady_ratio"] = round(steady_rate(a) / steady_rate(b), 3)
+        print(f"read tok_local, both uncompressed: ours / LitData's loader = {summary['read_tok_local_vs_litdata_ratio']:.2f}x tokens/s, "
+              f"{summary['read_tok_local_vs_litdata_steady_ratio']:.2f}x after each one's first batch "
+              f"({a['tokens']} vs {b['tokens']} tokens: LitData drops each chunk's last partial row)")
     if "ours_tok_local_inproc" in results:  # the same code without the actor, against the same peer run
         a, b = results["ours_tok_local_inproc"], results["mosaic_tok_local"]
         summary["read_tok_local_inproc_ratio"] = round((a["tokens"] / a["total_s"]) / (b["tokens"] / b["total_s"]), 3)
@@ -679,6 +814,9 @@ def headline_rows(results: dict[str, dict[str, Any]], labels: dict[str, str]) ->
 
     rows = [headline(title, "M tok/s", fig(f"ours_{w}"), fig(f"mosaic_{w}"))
             for w, title in HEADLINES.items() if f"ours_{w}" in results and f"mosaic_{w}" in results]
+    if "ours_tok_local_raw" in results and "litdata_tok_local" in results:  # each in its uncompressed format
+        rows.append(headline("B6 pre-tokenized read, local, uncompressed (MDS / LitData chunks)", "M tok/s",
+                             fig("ours_tok_local_raw"), fig("litdata_tok_local")))
     peers = [k for k in ("mosaic_procs", "tokenize_loop") if k in results]
     if "convert" in results and peers:
         best = min(peers, key=lambda k: results[k]["total_s"])

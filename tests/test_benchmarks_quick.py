@@ -102,11 +102,11 @@ def test_quick_numbers_are_real(quick_run):
 @pytest.mark.timeout(900)
 def test_quick_feeder_scale_delivers_every_token_to_the_ranks(quick_run):
     """B8 (feeder_scale.py --quick): the feeder and its peer, Ray Data's ds.streaming_split(N), each deliver the
-    whole stream to N ranks."""
+    whole stream to N ranks, as fast as the ranks take it and at a set step time."""
     md, results = quick_run.md, quick_run.results
     b8 = results["B8"]
     assert b8["status"] == "ok", b8
-    r = b8["results"][-1]
+    r, paced = b8["results"]  # free-running, then at a set step time (run.run_b8)
     assert r["tokens"] == r["rows"] * 2048 and r["ceiling"]["tokens"] == r["tokens"]
     for n, per in r["per_n"].items():
         for key in ("feeder", "split"):  # the feeder and its peer, ds.streaming_split(N)
@@ -122,6 +122,16 @@ def test_quick_feeder_scale_delivers_every_token_to_the_ranks(quick_run):
         feeder, split = (r["per_n"][str(n)][k]["tokens_per_s"] / 1e6 for k in ("feeder", "split"))
         row = f"| B8 {n} ranks, delivered tokens (one run) | the feeder | ds.streaming_split(N) | - | - | {feeder:.3g} / {split:.3g} M tok/s | {feeder / split:.2f}x |"
         assert row in glance, (row, glance)
+    # At a set step time (50 ms, 20 steps): every rank gets each of its steps, and spends at least the step time on
+    # each, so the run lasts at least 20 x 50 ms, and the ranks' wait is a share of it.
+    assert paced["step_ms"] == 50 and paced["steps"] == 20 and set(paced["per_n"]) == {"2", "4"}
+    for n, per in paced["per_n"].items():
+        for key in ("feeder", "split"):
+            p = per[key]
+            assert p["tokens"] == int(n) * 8 * 20 * 2048 and p["steps"] >= 19, (n, key, p)
+            assert p["wall_s"] >= 19 * 0.05 and 0 <= p["data_wait_pct"] < 100, (n, key, p)
+        assert f"| B8 {n} ranks at a set step time (50 ms, 20 steps; one run) | the feeder: data wait " \
+               f"{per['feeder']['data_wait_pct']:.2f}% |" in glance, glance
     ours, hf = results["ingest"]["ours"], results["ingest"]["hf_stream"]
     b2 = [line for line in glance.splitlines() if line.startswith("| B2 ingest: JSONL -> packed rows | ours: build_dataset")]
     assert len(b2) == 1 + sum("error" not in results["B2"][k] for k in ("litdata", "mosaic", "eager")), glance
