@@ -248,3 +248,55 @@ def test_token_arrays_travel_compactly_and_exactly():
     assert unpack_array([1, 2, 3]).tolist() == [1, 2, 3]  # plain JSON lists (JSONL input_ids) still work
     with pytest.raises(ValueError):
         unpack_array({"dtype": "float32", "b64": ""})
+
+
+def _one_shard(root: Path):
+    """The only shard of an uncompressed set at ``root``, in memory."""
+    from pipelines.mds.reader import MemoryShard
+
+    (info,) = json.loads((root / "index.json").read_text())["shards"]
+    return MemoryShard.from_bytes(info, (root / info["raw_data"]["basename"]).read_bytes(), "test shard")
+
+
+def test_a_token_shard_decodes_at_once_to_what_each_sample_decodes_to(tmp_path):
+    """A shard of one token column (llm-foundry's ``tokens: ndarray:int32``) is decoded with a few numpy operations
+    (``MemoryShard.token_views``, what the pre-tokenized reader uses) to exactly the arrays ``get_item`` decodes one
+    by one: every integer dtype, dimensions stored in one, two and four bytes, and fixed shapes. Any other shard,
+    or one with a malformed sample, is left to ``get_item``, which names the sample."""
+    rng = np.random.default_rng(0)
+    lengths = [1, 7, 255, 256, 300, 70_000, 3]  # 70,000 needs a four-byte dimension; 256 and 300 two bytes
+    for enc, dt in {"ndarray:int32": np.int32, "ndarray:int64": np.int64, "ndarray:uint16": np.uint16,
+                    "ndarray:uint8": np.uint8, "ndarray:int32:5": np.int32}.items():
+        sizes = [5] * 4 if enc.endswith(":5") else lengths
+        want = [rng.integers(0, 250, n).astype(dt) for n in sizes]
+        shard = _one_shard(mds_write(tmp_path / enc.replace(":", "_"), [{"tokens": a} for a in want], {"tokens": enc},
+                                     size_limit=None))
+        name, views = shard.token_views()
+        assert name == "tokens" and len(views) == len(want), enc
+        for i, (got, one) in enumerate(zip(views, want, strict=True)):
+            by_one = shard.get_item(i)["tokens"]
+            assert got.dtype == by_one.dtype == dt and got.tolist() == by_one.tolist() == one.tolist(), (enc, i)
+
+    # Shards the one-pass decode leaves alone: another column beside the ids, no dtype in the encoding, 2-D or
+    # float arrays.
+    for name, columns, value in [("two", {"tokens": "ndarray:int32", "text": "str"}, {"text": "a"}),
+                                 ("untyped", {"tokens": "ndarray"}, {}), ("float", {"tokens": "ndarray:float32"}, {})]:
+        arrays = [np.arange(4, dtype=np.float32 if name == "float" else np.int32)] * 3
+        shard = _one_shard(mds_write(tmp_path / name, [{"tokens": a, **value} for a in arrays], columns, size_limit=None))
+        assert shard.token_views() is None, name
+    flat = _one_shard(mds_write(tmp_path / "twod", [{"tokens": np.ones((2, 3), np.int32)}] * 2,
+                                {"tokens": "ndarray:int32"}, size_limit=None))
+    assert flat.token_views() is None
+
+    # A sample whose stored dimension disagrees with its bytes: declined, and get_item names what is wrong.
+    root = mds_write(tmp_path / "bad", [{"tokens": np.arange(n, dtype=np.int32)} for n in (4, 5, 6)],
+                     {"tokens": "ndarray:int32"}, size_limit=None)
+    shard = _one_shard(root)
+    raw = bytearray(shard.raw)
+    raw[int(shard.offsets[1]) + 4 + 1] = 9  # sample 1: [size u32][ndim << 2 | width][dimension: 5 -> 9]
+    from pipelines.mds.reader import MemoryShard
+
+    bad = MemoryShard(bytes(raw), shard.offsets, ["tokens"], ["ndarray:int32"], [None])
+    assert bad.token_views() is None
+    with pytest.raises(ValueError, match=r"ndarray of int32 \(9,\) needs 36 bytes, the sample holds 20"):
+        bad.get_item(1)

@@ -158,6 +158,50 @@ def _decode_array(encoding: str, data: bytes) -> np.ndarray:
     return np.frombuffer(data, np.dtype(dtype).newbyteorder("<"), offset=pos).astype(dtype, copy=False).reshape(shape)
 
 
+def int_array_views(encoding: str, raw: bytes, starts: np.ndarray, ends: np.ndarray) -> list[np.ndarray] | None:
+    """The 1-D integer arrays of many samples of one ``ndarray:DT`` or ``ndarray:DT:N`` column, each the bytes
+    ``raw[starts[i]:ends[i]]``, decoded together: their headers are read with a few numpy operations and each
+    array is a view of ``raw``, where :func:`decode` parses every sample in Python. ``None`` when the encoding or
+    any sample is not of that form (the caller then decodes sample by sample, which names what is wrong).
+
+    Example: ``ndarray:int32`` samples ``04 | 02 | 01 00 00 00 02 00 00 00`` (one dimension of 2, uint8 shape)
+    -> ``[array([1, 2], dtype=int32)]``.
+    """
+    try:
+        dtype, shape = _array_args(encoding)
+    except ValueError:
+        return None
+    if dtype is None or np.dtype(dtype).kind not in "iu" or (shape is not None and len(shape) != 1):
+        return None
+    itemsize = np.dtype(dtype).itemsize
+    lengths = ends - starts
+    if shape is not None:  # fixed shape: the sample is the values alone
+        if (lengths != shape[0] * itemsize).any():
+            return None
+        values_at, counts = starts, lengths // itemsize
+    else:  # [ndim << 2 | width][shape][values]
+        if not len(starts) or (lengths < 2).any():
+            return None
+        data = np.frombuffer(raw, np.uint8)
+        head = data[starts]
+        width = (head & 3).astype(np.int64)
+        if (head >> 2 != 1).any():  # one dimension, or the general path
+            return None
+        dims = np.zeros(len(starts), np.uint64)
+        last = len(data) - 1
+        for k in range(8):  # the dimension, little-endian in 1 << width bytes
+            byte = data[np.minimum(starts + 1 + k, last)].astype(np.uint64)
+            dims |= np.where(k < (1 << width), byte << np.uint64(8 * k), np.uint64(0))
+        values_at = starts + 1 + (1 << width)
+        counts = lengths - 1 - (1 << width)
+        if (counts < 0).any() or (counts % itemsize).any() or (dims != counts // itemsize).any():
+            return None
+        counts = counts // itemsize
+    little = np.dtype(dtype).newbyteorder("<")
+    return [np.frombuffer(raw, little, count=n, offset=at).astype(dtype, copy=False)
+            for at, n in zip(values_at.tolist(), counts.tolist(), strict=True)]
+
+
 def encode(encoding: str, value: Any) -> bytes:
     """One value as its bytes under ``encoding``; ``bytes`` values are stored as they are, whatever the
     encoding (as ``MDSWriter`` does: pre-encoded data). ValueError says why a value does not fit."""

@@ -146,6 +146,23 @@ class MemoryShard:
         return sample
 
 
+    def token_views(self) -> tuple[str, list[np.ndarray]] | None:
+        """A shard of one token column (llm-foundry's concat-tokens ``tokens: ndarray:int32``, or ``input_ids``)
+        as ``(column, one int array per sample)``, decoded together (:func:`encodings.int_array_views`); ``None``
+        for any other shard, or one a sample of which is not of that form (:meth:`get_item` then names it)."""
+        if len(self.columns) != 1 or self.columns[0][0] not in ("tokens", "input_ids") or not self.samples:
+            return None
+        name, enc, size = self.columns[0]
+        starts, ends = self.offsets[:-1], self.offsets[1:]
+        if not size:  # a variable-size column: its uint32 size first
+            sizes = np.frombuffer(self.raw, np.uint8)[(starts[:, None] + np.arange(4)).ravel()].view("<u4")
+            if (sizes != ends - starts - 4).any():
+                return None
+            starts = starts + 4
+        views = encodings.int_array_views(enc, self.raw, starts, ends)
+        return None if views is None else (name, views)
+
+
 def _token_array(value: Any, column: str) -> Any:
     """A token column as a numpy array; legacy ``bytes`` hold int64 ids (llm-foundry's default)."""
     if isinstance(value, bytes | bytearray):
@@ -222,7 +239,19 @@ def read_mds_ids(fs: pafs.FileSystem, file: SourceFile, bad: Callable[[str, str]
     undecodable, as :func:`read_mds` reports one it cannot decode.
     """
     reader, label = open_shard(fs, file)
-    for row in range(cursor.row if cursor else 0, reader.samples):
+    first = cursor.row if cursor else 0
+    decoded = reader.token_views()
+    if decoded is not None:  # one token column, every sample well formed: no per-sample parsing
+        name, views = decoded
+        for row in range(first, reader.samples):
+            try:
+                ids = as_token_ids(views[row], "input_ids")
+            except ValueError as err:  # ids beyond int32
+                bad(f"{label} row {row}", f"cannot decode the sample: {err}")
+                continue
+            yield row, TokenRecord(ids, ids), -1, -1
+        return
+    for row in range(first, reader.samples):
         try:
             rec = sample_to_record(reader.get_item(row, only=TOKEN_COLUMNS))
             ids = as_token_ids(rec["input_ids"], "input_ids")

@@ -263,7 +263,10 @@ def _unit_table(u: _Unit, end_row: int, end_byte: int, opts: ReadOptions) -> pa.
         arr, records = arr[idx], [records[i] for i in idx]
     info = UnitInfo(u.ids[0], u.start_byte, end_row, end_byte, u.skip)
     if opts.token_ids:
-        payload = [_one_row(list_array([r.input_ids for r in records])), _one_row(list_array([r.labels for r in records]))]
+        ids = _one_row(list_array([r.input_ids for r in records]))
+        # Labels that are the ids (a shard without labels) share the ids' buffers instead of a second copy.
+        same = all(r.labels is r.input_ids for r in records)
+        payload = [ids, ids if same else _one_row(list_array([r.labels for r in records]))]
     else:
         payload = [pa.array([records], pa.list_(pa.string()))]
     columns = [pa.array([arr], pa.list_(pa.int64())), *payload, *unit_columns(info, len(arr))]
