@@ -235,8 +235,9 @@ def read_mds_ids(fs: pafs.FileSystem, file: SourceFile, bad: Callable[[str, str]
     """The reader for id-column blocks (every file pre-tokenized): one shard -> ``(row, TokenRecord, -1, -1)``.
 
     Only the id columns are decoded (``input_ids`` or ``tokens``, and ``labels``); labels are the
-    ids where the shard has none. A sample whose ids are not a flat integer array is reported as
-    undecodable, as :func:`read_mds` reports one it cannot decode.
+    ids where the shard has none. A shard of one token column (llm-foundry's layout) is decoded in one pass
+    (:meth:`MemoryShard.token_views`); any other, sample by sample. A sample whose ids are not a flat integer
+    array is reported as undecodable, as :func:`read_mds` reports one it cannot decode.
     """
     reader, label = open_shard(fs, file)
     first = cursor.row if cursor else 0
