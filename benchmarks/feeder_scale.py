@@ -232,7 +232,7 @@ def tree_cpu_s() -> float:
     return tree.cpu_s
 
 
-def _waits(res: list[dict[str, Any]], wall: float) -> dict[str, float]:
+def _waits(res: list[dict[str, Any]]) -> dict[str, float]:
     """Each rank's wait for its rows, over every step of every rank: p50/p99 per step, and the share of the
     run's wall time the ranks spent waiting (the mean over ranks: what a training run calls data wait)."""
     waits = np.concatenate([r["waits"] for r in res])
@@ -266,7 +266,7 @@ def run_feeder(ds: ray.data.Dataset, ranks: list[Any], quiet_s: float, step_s: f
     tokens = sum(r["tokens"] for r in res)
     return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": tokens / wall,
             "cpu_s_per_m_tokens": (cpu1 - cpu0) / tokens * 1e6, "tree_cpu_s_per_m_tokens": tree / tokens * 1e6,
-            "quiet_before": quiet, **_waits(res, wall), "feeder_peak_rss_mb": rss}
+            "quiet_before": quiet, **_waits(res), "feeder_peak_rss_mb": rss}
 
 
 def run_split(ds: ray.data.Dataset, ranks: list[Any], quiet_s: float, step_s: float = 0.0) -> dict[str, Any]:
@@ -283,7 +283,7 @@ def run_split(ds: ray.data.Dataset, ranks: list[Any], quiet_s: float, step_s: fl
     tree = tree_cpu_s() - tree0
     tokens = first + sum(r["tokens"] for r in res)
     return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": tokens / wall,
-            "tree_cpu_s_per_m_tokens": tree / tokens * 1e6, "quiet_before": quiet, **_waits(res, wall)}
+            "tree_cpu_s_per_m_tokens": tree / tokens * 1e6, "quiet_before": quiet, **_waits(res)}
 
 
 def run_ceiling(ds: ray.data.Dataset, quiet_s: float) -> dict[str, Any]:

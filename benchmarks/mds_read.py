@@ -213,12 +213,17 @@ def prepare_litdata_tokens(work: Path) -> dict[str, Any]:
     return {"litdata_tokens": sum(c["dim"] for c in index["chunks"]), "litdata_chunks": len(index["chunks"])}
 
 
+def _empty_copy_of(src: Path, dst: Path) -> dict[str, Any]:
+    """``src``'s ``index.json``, with ``dst`` made an empty directory for a copy of the set."""
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True)
+    return json.loads((src / "index.json").read_text())
+
+
 def replicate_mds(src: Path, dst: Path, copies: int) -> int:
     """``copies`` of the MDS set ``src`` as one set ``dst``: its shard files hard-linked under new names, its
     index listing them all (issue 43: hard-linked shards are fine for scale). Returns the shard count."""
-    index = json.loads((src / "index.json").read_text())
-    shutil.rmtree(dst, ignore_errors=True)
-    dst.mkdir(parents=True)
+    index = _empty_copy_of(src, dst)
     shards = []
     for _ in range(copies):
         for shard in index["shards"]:
@@ -239,9 +244,7 @@ def replicate_mds(src: Path, dst: Path, copies: int) -> int:
 
 def replicate_litdata(src: Path, dst: Path, copies: int) -> int:
     """``copies`` of LitData's optimized set ``src`` as one set ``dst`` (chunks hard-linked, one index)."""
-    index = json.loads((src / "index.json").read_text())
-    shutil.rmtree(dst, ignore_errors=True)
-    dst.mkdir(parents=True)
+    index = _empty_copy_of(src, dst)
     chunks = []
     for k in range(copies):
         for chunk in index["chunks"]:
@@ -767,20 +770,20 @@ def main(argv: list[str] | None = None) -> int:
         summary[f"read_{where}_steady_ratio"] = round(steady, 3)
         print(f"read {where:<9}: ours / mosaic loader = {ratio:.2f}x tokens/s, {steady:.2f}x after each "
               f"one's first batch ({'same' if same else 'DIFFERENT'} token count: {a['tokens']} vs {b['tokens']})")
+    def ratios(key: str, a: dict[str, Any], b: dict[str, Any]) -> str:
+        """``a`` against ``b`` over the pass and after each one's first batch, kept in the summary under ``key``."""
+        summary[f"{key}_ratio"] = round((a["tokens"] / a["total_s"]) / (b["tokens"] / b["total_s"]), 3)
+        summary[f"{key}_steady_ratio"] = round(steady_rate(a) / steady_rate(b), 3)
+        return (f"{summary[f'{key}_ratio']:.2f}x tokens/s, {summary[f'{key}_steady_ratio']:.2f}x after each one's "
+                "first batch")
+
     if "litdata_tok_local" in results:  # LitData's own offline format: the same token stream, its chunking
         a, b = results["ours_tok_local_raw"], results["litdata_tok_local"]
-        summary["read_tok_local_vs_litdata_ratio"] = round((a["tokens"] / a["total_s"]) / (b["tokens"] / b["total_s"]), 3)
-        summary["read_tok_local_vs_litdata_steady_ratio"] = round(steady_rate(a) / steady_rate(b), 3)
-        print(f"read tok_local, both uncompressed: ours / LitData's loader = {summary['read_tok_local_vs_litdata_ratio']:.2f}x tokens/s, "
-              f"{summary['read_tok_local_vs_litdata_steady_ratio']:.2f}x after each one's first batch "
+        print(f"read tok_local, both uncompressed: ours / LitData's loader = {ratios('read_tok_local_vs_litdata', a, b)} "
               f"({a['tokens']} vs {b['tokens']} tokens: LitData drops each chunk's last partial row)")
     if "ours_tok_local_inproc" in results:  # the same code without the actor, against the same peer run
-        a, b = results["ours_tok_local_inproc"], results["mosaic_tok_local"]
-        summary["read_tok_local_inproc_ratio"] = round((a["tokens"] / a["total_s"]) / (b["tokens"] / b["total_s"]), 3)
-        summary["read_tok_local_inproc_steady_ratio"] = round(steady_rate(a) / steady_rate(b), 3)
-        print(f"read tok_local, the feeder's code in the consumer's process / mosaic loader = "
-              f"{summary['read_tok_local_inproc_ratio']:.2f}x tokens/s, "
-              f"{summary['read_tok_local_inproc_steady_ratio']:.2f}x after each one's first batch")
+        print("read tok_local, the feeder's code in the consumer's process / mosaic loader = "
+              + ratios("read_tok_local_inproc", results["ours_tok_local_inproc"], results["mosaic_tok_local"]))
     if "convert" in results:
         peers = {k: results[k] for k in ("mosaic_procs", "tokenize_loop")}
         best = min(peers, key=lambda k: peers[k]["total_s"])

@@ -145,7 +145,6 @@ class MemoryShard:
             pos += size
         return sample
 
-
     def token_views(self) -> tuple[str, list[np.ndarray]] | None:
         """A shard of one token column (llm-foundry's concat-tokens ``tokens: ndarray:int32``, or ``input_ids``)
         as ``(column, one int array per sample)``, decoded together (:func:`encodings.int_array_views`); ``None``
@@ -243,7 +242,7 @@ def read_mds_ids(fs: pafs.FileSystem, file: SourceFile, bad: Callable[[str, str]
     first = cursor.row if cursor else 0
     decoded = reader.token_views()
     if decoded is not None:  # one token column, every sample well formed: no per-sample parsing
-        name, views = decoded
+        _, views = decoded
         for row in range(first, reader.samples):
             try:
                 ids = as_token_ids(views[row], "input_ids")
