@@ -404,8 +404,11 @@ class ScalingConfig(_Strict):
         60.0, gt=0, description="Elastic runs: how often Ray Train checks whether more workers can be placed "
         "(ScalingConfig.elastic_resize_monitor_interval_s); growing restarts the group from the last checkpoint.")
     min_workers_timeout_s: float = Field(
-        600.0, gt=0, description="Elastic runs: how long the run waits with fewer than min workers placeable "
-        "before it fails with an error naming what is missing.")
+        600.0, gt=0, description="Elastic runs: how long the run may be without a running worker group before it "
+        "fails with an error naming what is missing. The clock runs from a lost worker or node on, through every "
+        "start the restart tries: Ray refreshes its view of the cluster every 20 s, so after a node loss the first "
+        "try may ask for the old size and wait RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (Ray's default 60 s) before "
+        "it tries with fewer.")
     use_gpu: bool = Field(False, description="One GPU per worker, NCCL; else CPU workers with gloo.")
     resources_per_worker: dict[str, float] | None = Field(
         None, description="e.g. {CPU: 8, GPU: 1, gpu_node: 1} to pin trainers to GPU nodes."

@@ -71,10 +71,19 @@ LOSS_CURVE_LR = 3e-4
 # Seconds every rank waits after each step (PIPELINES_FAULTS "slow:", pipelines.train.faults): a step of the tiny
 # model takes ~0.1 s, so the 32 steps would end before the chaos has acted. Each scenario's must outlast what
 # it waits for: the elastic group's growth back (the added node is seen by Ray Train within ~20-35 s) with its
-# 1-worker group's ~26 steps; the preemption notice (polled every 2 s) after step 3; a kill after checkpoint 4.
+# 1-worker group's ~26 steps; the preemption notice after step 3 (Ray's watcher polls every 5 s, the run asks it
+# every 2 s: on 2026-12-07 it came 7 steps after the drain at 0.5 s a step), then its checkpoint's upload and
+# the reclaim, all before the run's last step, on a machine the other tests keep busy; a kill after checkpoint 4.
 # The benchmark's clock policy (every 0.1 minutes) is then about every 4 steps.
-SLOW_S = {"elastic": 2.0, "bench_steps": 1.5, "bench_minutes": 1.5}
+SLOW_S = {"elastic": 2.0, "preempt": 1.0, "bench_steps": 1.5, "bench_minutes": 1.5}
 SLOW_DEFAULT_S = 0.5
+# How long an elastic run may have no running worker group (scaling.min_workers_timeout_s). The min_workers
+# scenario waits it out, so it is short there. The others must never reach it: after a node loss the group's
+# first restart tries the old size (Ray's stale view of the cluster) for the 30 s start timeout before it
+# restarts smaller, and MinWorkersTimeout counts that try too (pipelines/train/elastic.py). At 45 s the elastic
+# run had ~15 s to spare on a quiet machine.
+MIN_WORKERS_TIMEOUT_S = {"min_workers": 45.0}
+MIN_WORKERS_TIMEOUT_DEFAULT_S = 180.0
 # A spot reclaim's notice, as the preStop hook of cluster/kuberay/rayjob-elastic.yaml gives it.
 DRAIN_ARGS = ["--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim (SIGTERM)",
               "--deadline-remaining-seconds", "60"]
@@ -86,21 +95,30 @@ def _actors(class_name: str) -> dict[str, str]:
             if class_name in a["ActorClassName"] and a["State"] == "ALIVE"}
 
 
-def _wait(what: str, cond, timeout: float = 300.0) -> None:
+def _wait(what: str, cond, timeout: float = 300.0, fit: threading.Thread | None = None) -> None:
+    """Poll ``cond`` until it holds; raise after ``timeout`` seconds, or at once when ``fit`` has ended (a fit
+    that failed early would otherwise be waited on for the whole timeout)."""
     t0 = time.time()
     while not cond():
         if time.time() - t0 > timeout:
             raise TimeoutError(f"timed out waiting for {what}")
+        if fit is not None and not fit.is_alive() and not cond():
+            raise RuntimeError(f"the fit ended while waiting for {what}")
         time.sleep(0.2)
 
 
 class Chaos:
     """Kills (and replaces) nodes while the fit runs; records what it did."""
 
-    def __init__(self, cluster: Cluster, nodes: dict[str, object], tmp: Path, name: str, scenario: str) -> None:
+    def __init__(self, cluster: Cluster, nodes: dict[str, object], tmp: Path, name: str, scenario: str,
+                 fit: threading.Thread) -> None:
         self.cluster, self.nodes, self.tmp, self.name, self.scenario = cluster, nodes, tmp, name, scenario
+        self.fit = fit  # the fit's thread: a wait ends when it does
         self.events: list[dict] = []
         self.error: str | None = None
+
+    def _wait(self, what: str, cond, timeout: float = 300.0) -> None:
+        _wait(what, cond, timeout, fit=self.fit)
 
     def label(self, node_id: str) -> str:
         """``train-a``, ``cpu'`` (a replacement), ``head``: the name of a node id in this script."""
@@ -154,7 +172,7 @@ class Chaos:
             # Checkpoint 2 (step 4) is in the ledger once its data state is taken, before it is saved
             # (the ledger is written ahead), so wait for its directory too: killed before that, the run
             # restores checkpoint 1 (correct, but no test of a mid-epoch restore).
-            _wait("the second checkpoint", lambda: self._steps() >= 4 and max(self._checkpoints(), default=0) >= 4)
+            self._wait("the second checkpoint", lambda: self._steps() >= 4 and max(self._checkpoints(), default=0) >= 4)
             feeder = set(_actors("Feeder").values())  # pipelines.stream.feeder.DataFeeder: the Feeder class as an actor
             tokenizers = set(_actors("MapWorker"))
             self._event(train_worker_nodes=sorted(self.label(n) for n in _actors("RayTrainWorker").values()),
@@ -167,7 +185,7 @@ class Chaos:
                 return
             # The restored worker group starts a new feeder, whose stream starts new tokenizer actors:
             # the CPU node goes while they tokenize the rest of the epoch.
-            _wait("the restored run's tokenizer", lambda: set(_actors("MapWorker")) - tokenizers)
+            self._wait("the restored run's tokenizer", lambda: set(_actors("MapWorker")) - tokenizers)
             new = {a: n for a, n in _actors("MapWorker").items() if a not in tokenizers}
             self._event(tokenizer_nodes=sorted(self.label(n) for n in new.values()))
             self._kill("cpu", CPU_NODE)
@@ -184,7 +202,7 @@ class Chaos:
     def lose_at(self, step: int) -> None:
         """benchmarks/elastic_resume.py: lose the training node of rank 0 once ``step`` is logged, no notice."""
         try:
-            _wait(f"step {step}", lambda: max((r["step"] for r in self._records("train")), default=0) >= step)
+            self._wait(f"step {step}", lambda: max((r["step"] for r in self._records("train")), default=0) >= step)
             holder = self._feeder_node()
             self._kill(holder, None)
         except BaseException:
@@ -193,7 +211,7 @@ class Chaos:
 
     def preempt(self) -> None:
         try:
-            _wait("step 3", lambda: max((r["step"] for r in self._records("train")), default=0) >= 3)
+            self._wait("step 3", lambda: max((r["step"] for r in self._records("train")), default=0) >= 3)
             holder = self._feeder_node()
             # What cluster/kuberay/rayjob-elastic.yaml's preStop hook runs in the pod (there without --node-id:
             # the pod's own node).
@@ -201,14 +219,14 @@ class Chaos:
                             self.nodes[holder].node_id, *DRAIN_ARGS], check=True, capture_output=True, text=True,
                            env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
             self._event(drained=holder, at_step=max(r["step"] for r in self._records("train")))
-            _wait("the checkpoint for the notice", lambda: any("preemption notice" in r["reason"]
+            self._wait("the checkpoint for the notice", lambda: any("preemption notice" in r["reason"]
                                                                 for r in self._records("checkpoint")), timeout=60)
             step = [r for r in self._records("checkpoint") if "preemption" in r["reason"]][0]["step"]
             self._event(noticed=step)
             # The node goes at the notice's deadline, 60 s on: long after the checkpoint's upload (in the background)
             # is complete on storage, which is all the test waits for.
             path = self.tmp / "runs" / self.name / checkpoint_dir_name(step)
-            _wait("the notice's checkpoint on storage", lambda: path.is_dir() and checkpoint_problem(
+            self._wait("the notice's checkpoint on storage", lambda: path.is_dir() and checkpoint_problem(
                 pafs.LocalFileSystem(), str(path)) is None, timeout=60)
             self._kill(holder, None)  # the reclaim
         except BaseException:
@@ -217,7 +235,7 @@ class Chaos:
 
     def shrink_and_grow(self) -> None:
         try:
-            _wait("the second checkpoint", lambda: self._steps() >= 4 and max(self._checkpoints(), default=0) >= 4)
+            self._wait("the second checkpoint", lambda: self._steps() >= 4 and max(self._checkpoints(), default=0) >= 4)
             feeder = set(_actors("Feeder").values())
             self._event(train_worker_nodes=sorted(self.label(n) for n in _actors("RayTrainWorker").values()),
                         feeder_node=sorted(self.label(n) for n in feeder))
@@ -226,13 +244,13 @@ class Chaos:
                 return
             # The group restarts with the one worker that can be placed; let it write a checkpoint of its own,
             # so that growing back loads a 1-worker checkpoint at 2 workers.
-            _wait("the one-worker group's first checkpoint", lambda: any(
+            self._wait("the one-worker group's first checkpoint", lambda: any(
                 r["world_size"] == 1 for r in self._records("resume")) and max(self._checkpoints(), default=0)
                 > max(r["step"] for r in self._records("resume")))
             self._event(shrunk_to=1, checkpoints=sorted(self._checkpoints()), ledger_steps=self._steps())
             self.nodes["train-back"] = self.cluster.add_node(node_ip_address=LOOPBACK, **TRAIN_NODE)
             self._event(added="train-back", t=round(time.time(), 1))
-            _wait("the group to grow back to 2", lambda: any(r["world_size"] == 2 and r["saved_world_size"] == 1
+            self._wait("the group to grow back to 2", lambda: any(r["world_size"] == 2 and r["saved_world_size"] == 1
                                                              for r in self._records("resume")))
             self._event(grown_to=2, ledger_steps=self._steps())
         except BaseException:
@@ -258,7 +276,7 @@ def _scenario_config(tmp: Path, name: str, scenario: str):
     cfg = _config(tmp, name, workers, max_failures=3 if scenario == "recover" else -1, deepspeed="zero2",
                   checkpoint_every_steps=None if scenario == "preempt" else 2, learning_rate=LOSS_CURVE_LR, **placed)
     cfg.scaling.resize_check_s = 2.0
-    cfg.scaling.min_workers_timeout_s = 45.0
+    cfg.scaling.min_workers_timeout_s = MIN_WORKERS_TIMEOUT_S.get(scenario, MIN_WORKERS_TIMEOUT_DEFAULT_S)
     cfg.run.checkpoint_upload = "async"  # as configs/llama3-8b-sft-elastic.yaml: faults land during uploads too
     return cfg
 
@@ -303,12 +321,13 @@ def run_scenario(cluster: Cluster, nodes: dict[str, object], tmp: Path, scenario
 
     # The fit runs in a thread: Cluster.add_node must run in the main thread (it installs signal handlers).
     thread = threading.Thread(target=fit, daemon=True)
+    t0 = time.monotonic()
     thread.start()
-    chaos = Chaos(cluster, nodes, tmp, name, scenario)
+    chaos = Chaos(cluster, nodes, tmp, name, scenario, thread)
     chaos.run()
     thread.join(timeout=None if chaos.error is None else 1)  # a failed kill plan must not wait on a stuck fit
     return {**outcome, "scenario": scenario, "events": chaos.events, "chaos_error": chaos.error, "name": name,
-            "done": not thread.is_alive()}
+            "done": not thread.is_alive(), "wall_s": round(time.monotonic() - t0, 1)}
 
 
 def main(tmp: Path, scenarios: list[str]) -> None:

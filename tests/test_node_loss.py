@@ -1,10 +1,10 @@
 """Node loss, not just process loss: a loopback multi-node Ray cluster loses nodes mid-epoch.
 
-One child process (tests/node_loss_cluster.py) starts a Ray cluster (a head, a CPU-only tokenizer node and
-two training nodes, all raylets on 127.0.0.1) and runs every scenario on it, one after another, replacing
-the nodes each lost; it runs last, alone (``node_loss_runs`` in conftest.py), and each test here reads its
-scenario's outcome, metrics and ledger. All train the tiny Llama of tests/test_exactly_once_train.py on its
-600 samples.
+One child process (tests/node_loss_cluster.py) starts a Ray cluster (a head, a CPU-only tokenizer node and two
+training nodes, all raylets on 127.0.0.1) and runs every scenario on it, one after another, replacing the
+nodes each lost; it is the last of the jobs that run beside the in-process tests (``node_loss_runs`` in
+conftest.py), and each test here reads its scenario's outcome, metrics and ledger. All train the tiny Llama of
+tests/test_exactly_once_train.py on its 600 samples.
 """
 
 from __future__ import annotations
