@@ -233,8 +233,9 @@ def tree_cpu_s() -> float:
 
 
 def _waits(res: list[dict[str, Any]]) -> dict[str, float]:
-    """Each rank's wait for its rows, over every step of every rank: p50/p99 per step, and the share of the
-    run's wall time the ranks spent waiting (the mean over ranks: what a training run calls data wait)."""
+    """Each rank's wait for its rows, over every step of every rank: p50/p99 per step, and the share of each rank's
+    own time (its first request to its last step) spent waiting, the mean over ranks: what a training run calls
+    data wait."""
     waits = np.concatenate([r["waits"] for r in res])
     return {"wait_p50_ms": float(np.percentile(waits, 50) * 1e3), "wait_p99_ms": float(np.percentile(waits, 99) * 1e3),
             "data_wait_pct": float(np.mean([100 * sum(r["waits"]) / (r["end"] - r["start"]) for r in res])),
