@@ -29,6 +29,14 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 # are seconds long, a real run's are hours); every Ray the tests start reads it from this environment, except
 # the node-loss cluster's, which keeps Ray's default (tests/node_loss_cluster.py says why).
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+# DeepSpeed compiles its CPU shared-memory op (shm.cpp, ~100 CPU-s) on first use in a process, with the first
+# `ninja` on PATH, into one cache directory. The venv's bin goes first, as an activated venv has it, so every
+# process of the session -- Ray workers, `ray start` heads, job scripts, notebook kernels -- runs the venv's
+# ninja (1.13, a DeepSpeed dependency): a system ninja (1.11) hashes build commands another way, and each of
+# the two saw the other's build as stale and rebuilt it, 2 to 5 times per run of this suite in CI. The cache
+# lives in the venv: another checkout's venv (CI's clean clone) has other paths and would rebuild ours.
+os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 # The environment as the session starts: what the processes of the jobs beside the tests get (BACKGROUND_JOBS
 # below). A test's monkeypatch.setenv changes os.environ for the whole process while that test runs, and a job
 # started meanwhile inherited it: in CI (2026-12-07) the notebook's fit got a fault test's PIPELINES_FAULTS
@@ -87,14 +95,17 @@ def ray_local(s3_env):  # noqa: F811 (the fixture imported below)
     """One local Ray instance on 127.0.0.1 for the whole pytest run.
 
     Started after ``s3_env`` has put the fake S3 credentials in the environment, so its workers have
-    them (Ray workers inherit the environment of the ``ray.init`` that started their raylet).
+    them (Ray workers inherit the environment of the ``ray.init`` that started their raylet). Its workers get
+    the environment the job scripts give their own local instance (``LOCAL_ENV``: no preemption watcher, an
+    actor per fit attempt with nothing to watch on one machine); the node-loss cluster keeps the watcher.
     """
     import ray
 
+    from pipelines.console import LOCAL_ENV
     from pipelines.ray_local import init_local
 
     if not ray.is_initialized():
-        init_local(**RAY_LOCAL_INIT)
+        init_local(**RAY_LOCAL_INIT, runtime_env={"env_vars": dict(LOCAL_ENV)})
     yield ray
     ray.shutdown()
 
