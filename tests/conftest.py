@@ -139,6 +139,27 @@ def trained_runs(decode, ids: list[int], labels: list[int]) -> list[str]:
     return [decode(r) for r in [*runs, cur] if r]
 
 
+# What the training processes of the torch.multiprocessing tests (test_train_step.py, test_lora_step.py,
+# test_world_size_resume.py, test_chat_e2e.py) import before their first step: ~5 CPU-s per process, 25
+# processes a run, paid once by the fork server instead (spawn_workers).
+SPAWN_PRELOAD = ["torch", "torch.distributed", "deepspeed", "transformers", "peft", "pipelines.train.step",
+                 "pipelines.train.checkpoint", "pipelines.train.model", "pipelines.train.adapter"]
+
+
+def spawn_workers(fn, args: tuple, nprocs: int) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs, join=True)``, the processes forked from multiprocessing's
+    fork server, which imports :data:`SPAWN_PRELOAD` once per session. Each process is fresh otherwise: it sets
+    up its own process group and accelerator. The server is started by the first call and keeps the environment
+    it saw then: a process that needs a variable sets it itself (these tests' workers set their ranks and ports).
+    """
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(SPAWN_PRELOAD)
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
 def write_jsonl(path: Path, records: list) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     return path

@@ -14,9 +14,8 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 from chat_families import agent_traces, family_tokenizer
-from conftest import GLAIVE, make_config, needs_shared, write_jsonl
+from conftest import GLAIVE, make_config, needs_shared, spawn_workers, write_jsonl
 
 from pipelines.config import config_from_dict
 from pipelines.sources.listing import split_sample_id
@@ -116,7 +115,7 @@ def test_one_training_step_on_the_rows(chat_run, tmp_path):
                     "bf16": False, "warmup_steps": 0, "lr_scheduler": "constant", "weight_decay": 0.0}
     store = torch.distributed.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
     out = str(tmp_path / "stats.pt")
-    mp.spawn(_step_worker, args=(store.port, raw, rows, out), nprocs=1, join=True)
+    spawn_workers(_step_worker, (store.port, raw, rows, out), 1)
     del store
     first, second = torch.load(out, weights_only=False)
     trained = int(sum((r["labels"][1:] != IGNORE_INDEX).sum() for r in rows[:1]))

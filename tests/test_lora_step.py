@@ -19,7 +19,7 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from conftest import spawn_workers
 
 from pipelines.config import config_from_dict
 
@@ -110,7 +110,7 @@ def test_lora_trains_only_adapters_and_exports_match(tmp_path, stage):
     run_dir = str(tmp_path / "run")
     os.makedirs(run_dir)
     cfg = _cfg(ZERO3 if stage == "zero3" else stage, run_dir)
-    mp.spawn(_worker, args=(2, _free_port(), cfg.model_dump(mode="json"), run_dir), nprocs=2, join=True)
+    spawn_workers(_worker, (2, _free_port(), cfg.model_dump(mode="json"), run_dir), 2)
     res = torch.load(os.path.join(run_dir, "result.pt"), weights_only=False)
     before, after = res["before"], res["after"]
 

@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
+from conftest import spawn_workers
 
 from pipelines.config import config_from_dict
 from pipelines.train.collate import collate_rows
@@ -75,8 +75,7 @@ def _worker(rank: int, world: int, port: int, cfg_raw: dict, shards: list, out_d
 def _launch(world: int, cfg, shards, tmp_path, max_steps: int = 10) -> dict:
     # The store binds port 0 here and the workers get the port it read back (no probing for a free port).
     store = torch.distributed.TCPStore("127.0.0.1", 0, world_size=world, is_master=True, wait_for_workers=False)
-    mp.spawn(_worker, args=(world, store.port, cfg.model_dump(mode="json"), shards, str(tmp_path), max_steps),
-             nprocs=world, join=True)
+    spawn_workers(_worker, (world, store.port, cfg.model_dump(mode="json"), shards, str(tmp_path), max_steps), world)
     del store
     return torch.load(tmp_path / "result.pt", weights_only=False)
 

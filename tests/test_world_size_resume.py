@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
+from conftest import spawn_workers
 
 from pipelines.config import config_from_dict
 
@@ -98,7 +98,7 @@ def _phase(rank: int, world: int, port: int, cfg_raw: dict, out: str, start: int
 
 def _run(world: int, cfg: dict, out, start: int, stop: int, save_at: int = 0) -> list[float]:
     store = torch.distributed.TCPStore("127.0.0.1", 0, world_size=world, is_master=True, wait_for_workers=False)
-    mp.spawn(_phase, args=(world, store.port, cfg, str(out), start, stop, save_at), nprocs=world, join=True)
+    spawn_workers(_phase, (world, store.port, cfg, str(out), start, stop, save_at), world)
     del store
     return json.loads((out / f"losses_{world}_{start}.json").read_text())
 
