@@ -1,5 +1,5 @@
 """Small pieces of the training path: metrics windows, log line, checkpoint lookup, what the loop reports to Ray
-Train, the fault hook, and the lost-peer error (two gloo processes, one killed)."""
+Train, the fault hook, the lost-peer error (two gloo processes, one killed), and the ninja a CPU worker builds with."""
 
 from __future__ import annotations
 
@@ -167,3 +167,30 @@ def test_a_collective_whose_peer_was_killed_fails_naming_the_lost_peer(tmp_path)
         raise ValueError("other")
     with pytest.raises(PeerLost), naming_lost_peers(0, 2):
         raise RuntimeError("NCCL error: remote process exited or there was a network error")
+
+
+def test_a_cpu_worker_finds_pips_ninja_when_path_has_none(tmp_path, monkeypatch):
+    """DeepSpeed's CPU op is built with the ``ninja`` on PATH. With the venv not activated and no system ninja,
+    the worker's PATH gets pip's (beside the interpreter); a ninja already on PATH stays the one used."""
+    import shutil
+
+    import ninja
+
+    from pipelines.train.step import select_accelerator
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # restored after the test, as is PATH
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    monkeypatch.setenv("PATH", str(bare))
+    assert shutil.which("ninja") is None
+    select_accelerator(use_gpu=False)
+    assert os.environ["PATH"].split(os.pathsep) == [str(bare), ninja.BIN_DIR]
+    assert shutil.which("ninja") == os.path.join(ninja.BIN_DIR, "ninja")
+
+    system = tmp_path / "system"
+    system.mkdir()
+    (system / "ninja").write_text("#!/bin/sh\necho 1.11.1\n")
+    (system / "ninja").chmod(0o755)
+    monkeypatch.setenv("PATH", str(system))
+    select_accelerator(use_gpu=False)
+    assert os.environ["PATH"] == str(system) and shutil.which("ninja") == str(system / "ninja")

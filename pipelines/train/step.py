@@ -61,6 +61,7 @@ def select_accelerator(use_gpu: bool) -> None:
             del os.environ["DS_ACCELERATOR"]
     else:
         os.environ["DS_ACCELERATOR"] = "cpu"
+        ninja_on_path()
     import deepspeed.accelerator.real_accelerator as real
 
     current = real.ds_accelerator
@@ -71,6 +72,26 @@ def select_accelerator(use_gpu: bool) -> None:
             from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
             real.set_accelerator(CPU_Accelerator())
+
+
+def ninja_on_path() -> None:
+    """Make sure a ``ninja`` is on PATH: append the one pip installed (a DeepSpeed dependency) if there is none.
+
+    DeepSpeed's CPU accelerator compiles its shared-memory op (``deepspeed_shm_comm``) the first time a process
+    group starts on a machine, and torch runs ``ninja`` from PATH to do it. pip puts ninja beside the interpreter
+    (``.venv/bin``), which is not on PATH when the venv is not activated, as in the README's ``.venv/bin/python
+    ray_jobs/sft.py``: on a machine without a system ninja every worker failed with "Unable to JIT load the
+    deepspeed_shm_comm op due to ninja not being installed". A ninja already on PATH stays the one used.
+    """
+    import shutil
+
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:  # DeepSpeed's build then names what is missing
+        return
+    os.environ["PATH"] = os.pathsep.join(p for p in (os.environ.get("PATH"), ninja.BIN_DIR) if p)
 
 
 def init_distributed(use_gpu: bool, device: torch.device | None = None) -> None:
