@@ -33,7 +33,7 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 # `ninja` on PATH, into one cache directory. The venv's bin goes first, as an activated venv has it, so every
 # process of the session -- Ray workers, `ray start` heads, job scripts, notebook kernels -- runs the venv's
 # ninja (1.13, a DeepSpeed dependency): a system ninja (1.11) hashes build commands another way, and each of
-# the two saw the other's build as stale and rebuilt it, 2 to 5 times per run of this suite in CI. The cache
+# the two saw the other's build as stale and rebuilt it, 2 to 5 times a run of this suite (CI's included). The cache
 # lives in the venv: another checkout's venv (CI's clean clone) has other paths and would rebuild ours.
 os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
@@ -140,8 +140,8 @@ def trained_runs(decode, ids: list[int], labels: list[int]) -> list[str]:
 
 
 # What the training processes of the torch.multiprocessing tests (test_train_step.py, test_lora_step.py,
-# test_world_size_resume.py, test_chat_e2e.py) import before their first step: ~5 CPU-s per process, 25
-# processes a run, paid once by the fork server instead (spawn_workers).
+# test_world_size_resume.py, test_chat_e2e.py) import before their first step, paid once by the fork server
+# (spawn_workers) instead of by each of the 25 processes of a run: 244 CPU-s became 41 (2026-12-07).
 SPAWN_PRELOAD = ["torch", "torch.distributed", "deepspeed", "transformers", "peft", "pipelines.train.step",
                  "pipelines.train.checkpoint", "pipelines.train.model", "pipelines.train.adapter"]
 
